@@ -1,0 +1,42 @@
+"""zinf: train PyTorch models whose state does not fit in GPU memory or DRAM.
+
+Public contract (docs/architecture.md)::
+
+    engine = zinf.initialize(model, config)   # config: dict, path to a JSON file, or zinf.Config
+    loss = engine(x, y); engine.backward(loss); engine.step()
+    engine.save_checkpoint(dir); engine.load_checkpoint(dir)
+    engine.state_dict(); engine.placement; engine.close()
+"""
+
+from __future__ import annotations
+
+import os
+
+from zinf import errors
+from zinf.config import Config, load_config
+from zinf.engine import Engine
+from zinf.errors import ZinfError
+from zinf.events import Recorder
+
+__version__ = "0.1.0"
+__all__ = ["initialize", "Engine", "Config", "load_config", "errors", "ZinfError", "__version__"]
+
+
+def initialize(model, config: Config | dict | str | os.PathLike | None = None, *, recorder: Recorder | None = None) -> Engine:
+    """Wrap ``model`` for training with its state placed as ``config`` says.
+
+    This is the composition root: when ``zinf.profiler.enabled`` is set it attaches the
+    profiler's SQLite recorder (the engine itself never imports the profiler).
+    """
+    cfg = load_config(config)
+    if recorder is None and cfg.zinf.profiler.enabled:
+        from profiler import Recorder as DbRecorder
+
+        prof = cfg.zinf.profiler
+        recorder = DbRecorder(prof.db, detail=prof.detail, window_steps=prof.window_steps)
+    try:
+        return Engine(model, cfg, recorder=recorder)
+    except BaseException:
+        if recorder is not None:
+            recorder.close()
+        raise

@@ -1,0 +1,777 @@
+"""The zinf engine: wraps a model, keeps its state in its tiers, and runs forward, backward and the
+optimizer phase the way plain PyTorch would.
+
+How a step goes (see docs/architecture.md, "Anatomy of a step"):
+
+1. **Forward.** A forward-pre-hook on each module that directly owns parameters materialises
+   their shards on the compute device (a copy from the DRAM home, or a read of the NVMe file);
+   the forward-post-hook frees them again. Shards whose param home *is* the compute device stay
+   resident and cost nothing.
+2. **Backward.** A full-backward-pre-hook materialises the module's shards again (autograd saved
+   the parameter tensors, whose storage was freed and is now refilled in place), the
+   full-backward-hook frees them. A post-accumulate-grad hook moves each gradient, as soon as it
+   is final, into the shard's fp32 accumulator (in DRAM, or on NVMe for NVMe optimizer homes)
+   and drops the device copy.
+3. **Optimizer phase** (at the accumulation boundary). For each shard with a gradient: bring its
+   optimizer group in, clip, update each member that got a gradient (``zinf.optim``), write the
+   group back, refresh the param home.
+
+Parameter storage is freed with ``untyped_storage().resize_(0)`` and refilled with
+``resize_`` + a copy through ``.data`` (which does not bump autograd's version counter), the
+technique FSDP2 uses, so tensors autograd saved in forward see the data again in backward.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.profiler import record_function
+
+from zinf import events as ev
+from zinf.config import Config, load_config
+from zinf.errors import ConfigError, ModelError
+from zinf.hardware import describe, rss_bytes
+from zinf.optim import OptimizerSpec, clip_coefficient
+from zinf.pins import PinSet
+from zinf.placement import DramNeed, ShardPlacement, check_budget, static_placement
+from zinf.shards import Member, Shard, build_shards
+
+log = logging.getLogger("zinf")
+
+
+class ParamState(enum.Enum):
+    """Where a shard's working copy is right now.
+
+    RESIDENT: the param tensors *are* (views of) the param home; nothing to fetch or free.
+    FREED: the param tensors have zero-size storage; the data is only in the home.
+    MATERIALISED: the param tensors hold a copy fetched from the home, freed when released.
+    """
+
+    RESIDENT = "resident"
+    FREED = "freed"
+    MATERIALISED = "materialised"
+
+
+@dataclass(eq=False)
+class ShardState:
+    """Everything the engine holds for one shard."""
+
+    shard: Shard
+    place: ShardPlacement
+    param_state: ParamState = ParamState.FREED
+    refcount: int = 0  # module activations currently using the materialised params
+    param_home: Tensor | None = None  # flat DRAM/device copy in compute dtype (param tier gpu/cpu)
+    master: Tensor | None = None  # flat fp32 master (optim tier gpu/cpu)
+    moments: dict[str, Tensor] = field(default_factory=dict)  # flat fp32 optimizer state in DRAM
+    has_moments: bool = False  # optimizer state exists (in DRAM or on NVMe)
+    steps: list[int] = field(default_factory=list)  # optimizer steps taken, per member
+    grad: Tensor | None = None  # flat fp32 gradient accumulator while in DRAM
+    grad_on_nvme: bool = False  # the accumulated gradient of this window sits in the grad file
+    grad_members: set[int] = field(default_factory=set)  # members with a gradient this window
+    arrived_now: set[int] = field(default_factory=set)  # members whose grad arrived this backward
+    grad_norms: dict[int, Tensor] = field(default_factory=dict)  # member -> 2-norm of its grad
+
+    @property
+    def name(self) -> str:
+        return self.shard.name
+
+    def key(self, what: str) -> str:
+        return f"{self.shard.index:05d}.{what}"
+
+
+class Engine:
+    """A model wrapped for training with its state across GPU, DRAM and NVMe.
+
+    Build it with :func:`zinf.initialize`. Call it like the model, then ``backward(loss)`` and
+    ``step()`` after every micro-batch.
+    """
+
+    def __init__(self, model: nn.Module, config: Config | dict | str | os.PathLike | None = None, *, recorder: ev.Recorder | None = None):
+        if not isinstance(model, nn.Module):
+            raise ModelError(f"zinf.initialize needs a torch.nn.Module, got {type(model).__name__}")
+        self.config = cfg = load_config(config)
+        self.module = model
+        self.recorder = recorder or ev.NullRecorder()
+        self.device = self._pick_device(cfg)
+        self.dtype = cfg.compute_dtype
+        if cfg.fp16.enabled:
+            raise ConfigError("fp16 mixed precision (loss scaling) is not available yet; use \"bf16\": {\"enabled\": true} or fp32")
+        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.optimizer = OptimizerSpec.from_config(cfg.optimizer)
+        self.global_steps = 0  # optimizer steps taken
+        self.micro_steps = 0  # engine.step() calls
+        self.plan_version = 0
+        self.run_name = cfg.zinf.run_name or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self._closed = False
+        self._in_backward = False
+        self._step_timer = _StepTimer()
+        self._backward_held: list[ShardState] = []  # shards acquired by backward pre-hooks
+        self.traffic_total = _Traffic()  # bytes moved per tier since initialize
+        self.last_step: dict = {}  # phase timings of the last optimizer step
+
+        # 1. shards and their placement
+        zero = cfg.zero_optimization
+        param_pins = PinSet.from_config(zero.offload_param.module_parameters)
+        optim_pins = PinSet.from_config(zero.offload_optimizer.module_parameters)
+        self.shards: list[Shard] = build_shards(
+            model,
+            param_bytes_per_elem=torch.empty((), dtype=self.dtype).element_size(),
+            chunk_size=cfg.zinf.chunk_size,
+            shard_min_bytes=cfg.zinf.shard_min_bytes,
+            pin_for=param_pins.tier_for_param,
+        )
+        placements = static_placement(self.shards, cfg, optim_pin_for=optim_pins.tier_for_param)
+        self.states = [ShardState(s, p, steps=[0] * len(s.members)) for s, p in zip(self.shards, placements)]
+        self._member_of: dict[int, tuple[ShardState, int]] = {
+            id(m.param): (st, i) for st in self.states for i, m in enumerate(st.shard.members)
+        }
+        self._module_states = self._map_modules(model)
+
+        # 2. refuse a budget the placement cannot meet, before touching any data
+        self._stores: dict[str, object] = {}
+        self.dram_need = self._dram_need()
+        check_budget(self.dram_need, cfg.zinf.dram_budget)
+
+        # 3. open NVMe stores, move every shard to its homes, free the model's own copies
+        try:
+            self._open_stores()
+            self._home_all()
+        except BaseException:
+            self._close_stores()
+            raise
+        self._hooks = self._install_hooks(model)
+        self._stats = _Traffic()
+        self._losses: list[float] = []
+        if self.recorder.enabled:
+            self._emit_run_started()
+
+    # ------------------------------------------------------------------ set-up helpers
+    @staticmethod
+    def _pick_device(cfg: Config) -> torch.device:
+        want = cfg.zinf.device
+        if want == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("zinf.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+        if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _map_modules(self, model: nn.Module) -> dict[nn.Module, list[ShardState]]:
+        """Module -> the shards of the parameters it directly owns (in first-member order)."""
+        out: dict[nn.Module, list[ShardState]] = {}
+        for mod in model.modules():
+            seen: list[ShardState] = []
+            for p in mod.parameters(recurse=False):
+                st = self._member_of[id(p)][0]
+                if st not in seen:
+                    seen.append(st)
+            if seen:
+                out[mod] = seen
+        return out
+
+    def _nbytes(self, st: ShardState) -> tuple[int, int, int]:
+        """(param bytes in compute dtype, optimizer group bytes, grad bytes) of a shard."""
+        n = st.shard.numel
+        param = n * torch.empty((), dtype=self.dtype).element_size()
+        if not st.shard.trainable:
+            return param, 0, 0
+        return param, n * 4 * (1 + len(self.optimizer.state_names)), n * 4
+
+    def _aliases_master(self, st: ShardState) -> bool:
+        """fp32 working copy and master in the same DRAM: one tensor serves both."""
+        return (
+            st.shard.trainable
+            and self.dtype == torch.float32
+            and self.device.type == "cpu"
+            and st.place.param in ("gpu", "cpu")
+            and st.place.optim in ("gpu", "cpu")
+        )
+
+    def _dram_need(self) -> DramNeed:
+        on_cpu = self.device.type == "cpu"
+        dram_tiers = ("cpu", "gpu") if on_cpu else ("cpu",)
+        param_homes = optim_homes = 0
+        largest_nvme_group = 0
+        nvme_chunk_grads = 0
+        for st in self.states:
+            pb, ob, gb = self._nbytes(st)
+            if st.place.param in dram_tiers and not self._aliases_master(st):
+                param_homes += pb
+            if st.place.optim in dram_tiers:
+                optim_homes += ob + gb
+            elif st.place.optim == "nvme":
+                largest_nvme_group = max(largest_nvme_group, ob + 2 * gb)
+                if len(st.shard.members) > 1:
+                    nvme_chunk_grads += gb  # chunk grads wait in DRAM until backward ends
+        # Params materialised at once: a module's shards plus those of its ancestors, plus one
+        # more module's worth held until the end of backward (a first layer whose inputs need
+        # no grad gets no backward-done hook).
+        live = self._live_param_bound()
+        staging = 0
+        if any(st.place.param == "nvme" or st.place.optim == "nvme" for st in self.states):
+            staging = self.config.zinf.staging_buffers * self.config.zinf.staging_buffer_size
+        return DramNeed(
+            param_homes_bytes=param_homes,
+            optim_homes_bytes=optim_homes,
+            working_bytes=(live if on_cpu else 0) + largest_nvme_group + nvme_chunk_grads,
+            staging_bytes=staging,
+        )
+
+    def _live_param_bound(self) -> int:
+        """Upper bound (bytes) of non-resident params materialised at the same time."""
+        def fetched(st: ShardState) -> int:
+            resident = st.place.param == "gpu" or (self.device.type == "cpu" and st.place.param == "cpu")
+            return 0 if resident else self._nbytes(st)[0]
+
+        worst = 0
+        largest = 0
+        for name, mod in self.module.named_modules():
+            chain: set[ShardState] = set()
+            parts = name.split(".") if name else []
+            for depth in range(len(parts) + 1):
+                anc = self.module.get_submodule(".".join(parts[:depth])) if depth else self.module
+                chain.update(self._module_states.get(anc, []))
+            total = sum(fetched(st) for st in chain)
+            worst = max(worst, total)
+            largest = max(largest, sum(fetched(st) for st in self._module_states.get(mod, [])))
+        return worst + largest
+
+    def _open_stores(self) -> None:
+        from zinf.storage.nvme import NvmeStore
+
+        cfg = self.config
+        aio = cfg.aio
+        paths = {}
+        if any(st.place.param == "nvme" for st in self.states):
+            paths["param"] = cfg.param_nvme_path
+        if any(st.place.optim == "nvme" for st in self.states):
+            paths["optim"] = cfg.optim_nvme_path
+        by_path: dict[Path, object] = {}
+        for role, path in paths.items():
+            path = Path(path).expanduser().absolute()
+            if path not in by_path:
+                by_path[path] = NvmeStore(
+                    path,
+                    run_name=f"{self.run_name}-{len(by_path)}" if by_path else self.run_name,
+                    block_size=aio.block_size,
+                    queue_depth=aio.queue_depth,
+                    thread_count=aio.thread_count,
+                    pin_memory=self.device.type == "cuda",
+                    staging_bytes=cfg.zinf.staging_buffer_size,
+                    staging_count=cfg.zinf.staging_buffers,
+                    listener=self._on_io if self.recorder.enabled else None,
+                )
+            self._stores[role] = by_path[path]
+        needed = {"param": 0, "optim": 0}
+        for st in self.states:
+            pb, ob, gb = self._nbytes(st)
+            if st.place.param == "nvme":
+                needed["param"] += pb
+            if st.place.optim == "nvme":
+                needed["optim"] += ob + gb
+        for role, store in self._stores.items():
+            # Every file may briefly exist twice while it is being replaced (write-new, switch).
+            store.check_space(needed[role] + max(self._nbytes(st)[0] + self._nbytes(st)[1] for st in self.states))
+
+    @property
+    def o_direct(self) -> bool:
+        """False when some NVMe store fell back to buffered I/O (the filesystem refused O_DIRECT)."""
+        return all(s.o_direct for s in self._stores.values())
+
+    def _home_all(self) -> None:
+        """Copy every parameter into its shard's homes, then point the model at them."""
+        for st in self.states:
+            shard = st.shard
+            flat = torch.empty(shard.numel, dtype=torch.float32)
+            for m in shard.members:
+                flat[m.offset : m.offset + m.numel].copy_(m.param.detach().reshape(-1))
+            # optimizer home: fp32 master
+            if shard.trainable:
+                if st.place.optim == "nvme":
+                    self._stores["optim"].write(st.key("master"), flat)
+                else:
+                    # The update runs on the CPU (gradients are offloaded there as they arrive), so
+                    # a "gpu" optimizer home keeps its master in DRAM too.
+                    st.master = flat
+            # param home: working copy in the compute dtype
+            if self._aliases_master(st):
+                st.param_home = st.master
+            elif st.place.param == "nvme":
+                self._stores["param"].write(st.key("param"), flat.to(self.dtype))
+            else:
+                home = flat.to(self.dtype) if self.dtype != torch.float32 else flat.clone()
+                st.param_home = home.to(self.device) if st.place.param == "gpu" else home
+            resident = st.place.param == "gpu" or (st.place.param == "cpu" and self.device.type == "cpu")
+            for m in shard.members:
+                if resident:
+                    m.param.data = st.param_home[m.offset : m.offset + m.numel].view(m.shape)
+                else:
+                    m.param.data = torch.empty(m.shape, dtype=self.dtype, device=self.device)
+                    m.param.untyped_storage().resize_(0)
+            st.param_state = ParamState.RESIDENT if resident else ParamState.FREED
+            del flat
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self, model: nn.Module) -> list:
+        handles = []
+        for mod, states in self._module_states.items():
+            handles.append(mod.register_forward_pre_hook(self._make_pre_forward(states)))
+            handles.append(mod.register_forward_hook(self._make_post_forward(states)))
+            handles.append(mod.register_full_backward_pre_hook(self._make_pre_backward(states)))
+            handles.append(mod.register_full_backward_hook(self._make_post_backward(states)))
+        for st in self.states:
+            for i, m in enumerate(st.shard.members):
+                if m.trainable:
+                    handles.append(m.param.register_post_accumulate_grad_hook(self._make_grad_hook(st, i)))
+        return handles
+
+    def _make_pre_forward(self, states: list[ShardState]):
+        def hook(module, args):
+            phase = "recompute" if self._in_backward else "forward"
+            for st in states:
+                self._acquire(st, phase)
+
+        return hook
+
+    def _make_post_forward(self, states: list[ShardState]):
+        def hook(module, args, output):
+            for st in states:
+                self._release(st)
+
+        return hook
+
+    def _make_pre_backward(self, states: list[ShardState]):
+        def hook(module, grad_output):
+            for st in states:
+                self._acquire(st, "backward")
+                self._backward_held.append(st)
+
+        return hook
+
+    def _make_post_backward(self, states: list[ShardState]):
+        def hook(module, grad_input, grad_output):
+            # When none of the module's inputs needs a gradient, torch calls this hook *before*
+            # the module's backward has run; the end of backward releases those shards instead.
+            if all(g is None for g in grad_input):
+                return
+            for st in states:
+                if st in self._backward_held:
+                    self._backward_held.remove(st)
+                    self._release(st)
+
+        return hook
+
+    def _make_grad_hook(self, st: ShardState, i: int):
+        def hook(param: Tensor) -> None:
+            self._take_grad(st, i, param)
+
+        return hook
+
+    # ------------------------------------------------------------------ fetch / release
+    def _acquire(self, st: ShardState, phase: str) -> None:
+        if st.param_state is ParamState.RESIDENT:
+            if self.recorder.enabled:
+                self._emit_fetch(st, phase, st.place.param, 0, 0.0)
+            return
+        st.refcount += 1
+        if st.param_state is ParamState.MATERIALISED:
+            return
+        t0 = time.perf_counter()
+        shard = st.shard
+        with record_function(f"zinf.fetch.{st.place.param}"):
+            if st.place.param == "nvme":
+                src = self._stores["param"].read(st.key("param"))
+                self._stats.read[st.place.param] += src.numel() * src.element_size()
+            else:
+                src = st.param_home
+                self._stats.read[st.place.param] += shard.numel * src.element_size()
+            for m in shard.members:
+                m.param.untyped_storage().resize_(m.numel * m.param.element_size())
+                m.param.data.copy_(src[m.offset : m.offset + m.numel].view(m.shape))
+        st.param_state = ParamState.MATERIALISED
+        dt = time.perf_counter() - t0
+        self._step_timer.stall_s += dt  # a synchronous fetch stalls compute for all of it
+        if self.recorder.enabled:
+            self._emit_fetch(st, phase, st.place.param, shard.numel * src.element_size(), dt)
+
+    def _release(self, st: ShardState) -> None:
+        if st.param_state is ParamState.RESIDENT:
+            return
+        st.refcount -= 1
+        if st.refcount > 0:
+            return
+        st.refcount = 0
+        for m in st.shard.members:
+            m.param.untyped_storage().resize_(0)
+        st.param_state = ParamState.FREED
+
+    # ------------------------------------------------------------------ gradients
+    def _take_grad(self, st: ShardState, i: int, param: Tensor) -> None:
+        """Move a final gradient into the shard's fp32 accumulator and drop the device copy."""
+        g = param.grad
+        param.grad = None
+        if g is None:
+            return
+        m = st.shard.members[i]
+        with record_function("zinf.grad.offload"):
+            if st.grad is None:
+                st.grad = torch.empty(st.shard.numel, dtype=torch.float32)
+                if st.grad_on_nvme:  # earlier micro-batches of this window left their sum on NVMe
+                    self._read_optim(st, "grad", out=st.grad)
+            view = st.grad[m.offset : m.offset + m.numel].view(m.shape)
+            g = g.to("cpu", torch.float32) if (g.device.type != "cpu" or g.dtype != torch.float32) else g
+            if i in st.grad_members:
+                view.add_(g)
+            else:
+                view.copy_(g)
+            st.grad_members.add(i)
+            st.arrived_now.add(i)
+            if st.place.optim == "nvme" and len(st.shard.members) == 1:
+                self._spill_grad(st)
+
+    def _spill_grad(self, st: ShardState) -> None:
+        """Write an NVMe shard's accumulated gradient to its file (after noting its norms)."""
+        for i in st.arrived_now:
+            m = st.shard.members[i]
+            st.grad_norms[i] = torch.linalg.vector_norm(st.grad[m.offset : m.offset + m.numel], 2.0)
+        st.arrived_now.clear()
+        self._write_optim(st, "grad", st.grad)
+        st.grad_on_nvme = True
+        st.grad = None
+
+    def _finish_backward(self) -> None:
+        for st in self._backward_held:
+            self._release(st)
+        self._backward_held = []
+        for st in self.states:
+            if st.grad is not None and st.place.optim == "nvme":
+                self._spill_grad(st)
+            st.arrived_now.clear()
+
+    # ------------------------------------------------------------------ NVMe helpers
+    def _read_optim(self, st: ShardState, what: str, out: Tensor | None = None) -> Tensor:
+        t = self._stores["optim"].read(st.key(what), out=out)
+        self._stats.read["nvme"] += t.numel() * t.element_size()
+        return t
+
+    def _write_optim(self, st: ShardState, what: str, t: Tensor) -> None:
+        self._stores["optim"].write(st.key(what), t)
+        self._stats.written["nvme"] += t.numel() * t.element_size()
+
+    def _on_io(self, op: str, key: str, nbytes: int, seconds: float) -> None:
+        index, _, what = key.partition(".")
+        aio = self.config.aio
+        self.recorder.emit(
+            ev.IoDone(op, "nvme", what, self.shards[int(index)].name, nbytes, seconds, self.o_direct,
+                      aio.block_size, aio.queue_depth, aio.thread_count)
+        )
+
+    # ------------------------------------------------------------------ public API
+    def __call__(self, *args, **kwargs):
+        self._check_open()
+        if not self._step_timer.running:
+            self._step_timer.start()
+        t0 = time.perf_counter()
+        with record_function("zinf.forward"):
+            out = self.module(*args, **kwargs)
+        self._step_timer.forward_s += time.perf_counter() - t0
+        return out
+
+    forward = __call__
+
+    def backward(self, loss: Tensor) -> None:
+        """Backpropagate ``loss`` scaled by 1/gradient_accumulation_steps, as DeepSpeed does."""
+        self._check_open()
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ModelError("engine.backward needs the scalar loss tensor returned by the forward")
+        self._losses.append(float(loss.detach()))
+        t0 = time.perf_counter()
+        scaled = loss / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
+        self._backward_held = []
+        self._in_backward = True
+        try:
+            with record_function("zinf.backward"):
+                scaled.backward()
+        finally:
+            self._in_backward = False
+            self._finish_backward()
+        self._step_timer.backward_s += time.perf_counter() - t0
+
+    def step(self) -> None:
+        """Call after every micro-batch; updates parameters at the accumulation boundary."""
+        self._check_open()
+        self.micro_steps += 1
+        if self.micro_steps % self.gradient_accumulation_steps != 0:
+            return
+        t0 = time.perf_counter()
+        with record_function("zinf.optimizer"):
+            self._optimizer_phase()
+        self._step_timer.optimizer_s += time.perf_counter() - t0
+        self.global_steps += 1
+        self._end_step()
+
+    def _optimizer_phase(self) -> None:
+        states = [st for st in self.states if st.grad_members]
+        coef = None
+        if self.config.gradient_clipping > 0 and states:
+            norms: list[tuple[int, Tensor]] = []
+            for st in states:
+                for i in st.grad_members:
+                    m = st.shard.members[i]
+                    if i not in st.grad_norms:  # gradient still in DRAM
+                        st.grad_norms[i] = torch.linalg.vector_norm(st.grad[m.offset : m.offset + m.numel], 2.0)
+                    norms.append((m.index, st.grad_norms[i]))
+            norms.sort(key=lambda x: x[0])  # model order, as clip_grad_norm_ stacks them
+            coef = clip_coefficient([n for _, n in norms], self.config.gradient_clipping)
+        for st in states:
+            self._update_shard(st, coef)
+
+    def _update_shard(self, st: ShardState, coef: Tensor | None) -> None:
+        shard, opt = st.shard, self.optimizer
+        t0 = time.perf_counter()
+        read_bytes = write_bytes = 0
+        on_nvme = st.place.optim == "nvme"
+        with record_function(f"zinf.optimizer.read.{st.place.optim}"):
+            if on_nvme:
+                master = self._read_optim(st, "master")
+                moments = {name: self._read_optim(st, name) if st.has_moments else torch.zeros(shard.numel) for name in opt.state_names}
+                if st.grad is None:
+                    st.grad = self._read_optim(st, "grad")
+                read_bytes = shard.numel * 4 * (1 + (len(opt.state_names) if st.has_moments else 0) + 1)
+            else:
+                master = st.master
+                if not st.has_moments:
+                    st.moments = {name: torch.zeros_like(master) for name in opt.state_names}
+                moments = st.moments
+        t1 = time.perf_counter()
+        with record_function("zinf.optimizer.update"):
+            for i in sorted(st.grad_members):
+                m = shard.members[i]
+                sl = slice(m.offset, m.offset + m.numel)
+                g = st.grad[sl]
+                if coef is not None:
+                    g.mul_(coef)
+                st.steps[i] += 1
+                opt.update(master[sl], g, {k: v[sl] for k, v in moments.items()}, st.steps[i])
+        st.has_moments = True
+        t2 = time.perf_counter()
+        with record_function(f"zinf.optimizer.write.{st.place.optim}"):
+            if on_nvme:
+                self._write_optim(st, "master", master)
+                for name, t in moments.items():
+                    self._write_optim(st, name, t)
+                if st.grad_on_nvme:
+                    self._stores["optim"].delete(st.key("grad"))
+                write_bytes = shard.numel * 4 * (1 + len(moments))
+            self._refresh_param_home(st, master)
+        t3 = time.perf_counter()
+        n_updated = len(st.grad_members)
+        st.grad = None
+        st.grad_on_nvme = False
+        st.grad_members = set()
+        st.grad_norms = {}
+        if self.recorder.enabled:
+            self.recorder.emit(ev.OptimizerShardDone(self.global_steps, st.name, st.place.optim, read_bytes, write_bytes, t1 - t0, t2 - t1, t3 - t2, n_updated))
+
+    def _refresh_param_home(self, st: ShardState, master: Tensor) -> None:
+        if st.param_home is master:
+            return
+        if st.place.param == "nvme":
+            self._stores["param"].write(st.key("param"), master.to(self.dtype))
+            self._stats.written["nvme"] += st.shard.numel * torch.empty((), dtype=self.dtype).element_size()
+        else:
+            st.param_home.copy_(master)
+
+    def _end_step(self) -> None:
+        timer = self._step_timer
+        wall = timer.stop()
+        losses, self._losses = self._losses, []
+        if self.recorder.enabled:
+            self.recorder.emit(
+                ev.StepFinished(
+                    step=self.global_steps,
+                    micro_batches=self.gradient_accumulation_steps,
+                    wall_s=wall,
+                    forward_s=timer.forward_s,
+                    backward_s=timer.backward_s,
+                    optimizer_s=timer.optimizer_s,
+                    stall_s=timer.stall_s,
+                    migration_s=0.0,
+                    loss=sum(losses) / len(losses) if losses else None,
+                    read_bytes=dict(self._stats.read),
+                    written_bytes=dict(self._stats.written),
+                    dram_bytes=self.dram_bytes_in_use(),
+                    rss_bytes=rss_bytes(),
+                    plan_version=self.plan_version,
+                )
+            )
+        self.last_step = timer.snapshot(wall, losses)
+        self.traffic_total.add(self._stats)
+        self._stats = _Traffic()
+        self._step_timer = _StepTimer()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def placement(self) -> dict[str, dict[str, str]]:
+        """{shard name: {"param": tier, "optim": tier}}."""
+        return {st.name: st.place.as_dict() for st in self.states}
+
+    def dram_bytes_in_use(self) -> int:
+        """Bytes of DRAM tensors the engine holds now (homes, accumulators, materialised params)."""
+        total = 0
+        seen: set[int] = set()
+        for st in self.states:
+            for t in [st.param_home, st.master, st.grad, *st.moments.values()]:
+                if t is not None and t.device.type == "cpu" and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+            if st.param_state is ParamState.MATERIALISED and self.device.type == "cpu":
+                total += st.shard.numel * torch.empty((), dtype=self.dtype).element_size()
+        return total
+
+    def _master_flat(self, st: ShardState) -> Tensor:
+        if not st.shard.trainable:
+            src = self._stores["param"].read(st.key("param")) if st.place.param == "nvme" else st.param_home
+            return src.to("cpu", torch.float32)
+        if st.place.optim == "nvme":
+            return self._stores["optim"].read(st.key("master"))
+        return st.master.to("cpu")
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """{fully qualified name: fp32 master tensor} for every name of model.named_parameters(),
+        tied names included (they share one tensor)."""
+        self._check_open()
+        out: dict[str, Tensor] = {}
+        for st in self.states:
+            flat = self._master_flat(st)
+            for m in st.shard.members:
+                t = flat[m.offset : m.offset + m.numel].view(m.shape).clone()
+                for name in m.names:
+                    out[name] = t
+        return out
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> Path:
+        """Save the whole training state under ``directory`` (crash-safe: see zinf.checkpoint)."""
+        from zinf.checkpoint import save_checkpoint
+
+        self._check_open()
+        return save_checkpoint(self, Path(directory))
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Restore the state saved by :meth:`save_checkpoint` (into this engine's placement)."""
+        from zinf.checkpoint import load_checkpoint
+
+        self._check_open()
+        load_checkpoint(self, Path(directory))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelError("this zinf engine is closed; build a new one with zinf.initialize")
+
+    def _close_stores(self) -> None:
+        for store in {id(s): s for s in self._stores.values()}.values():
+            store.close()
+        self._stores = {}
+
+    def close(self) -> None:
+        """Remove hooks, flush the recorder and delete this run's swap files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        if self.recorder.enabled:
+            self.recorder.emit(ev.RunFinished("finished", self.global_steps, time.time()))
+        self.recorder.close()
+        self._close_stores()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self.recorder.enabled and not self._closed:
+            self._closed = True
+            for h in self._hooks:
+                h.remove()
+            self.recorder.emit(ev.RunFinished("crashed", self.global_steps, time.time()))
+            self.recorder.close()
+            self._close_stores()
+        self.close()
+
+    def __del__(self):  # pragma: no cover - best effort at interpreter exit
+        try:
+            if not self._closed:
+                self._close_stores()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ events
+    def _emit_fetch(self, st: ShardState, phase: str, tier: str, nbytes: int, seconds: float) -> None:
+        self.recorder.emit(ev.ShardFetched(self.global_steps, self.micro_steps, st.name, phase, tier, nbytes, seconds, seconds))
+
+    def _emit_run_started(self) -> None:
+        infos = []
+        for st in self.states:
+            pb, ob, gb = self._nbytes(st)
+            infos.append(ev.ShardInfo(st.name, st.shard.module, st.shard.kind, st.shard.numel, pb, ob, gb,
+                                      tuple(n for m in st.shard.members for n in m.names), st.place.param, st.place.optim))
+        n_params = sum(s.numel for s in self.shards)
+        model = {
+            "class": type(self.module).__name__,
+            "params": n_params,
+            "trainable_params": sum(s.numel for s in self.shards if s.trainable),
+            "shards": len(self.shards),
+            "state_bytes": sum(sum(self._nbytes(st)) for st in self.states),
+        }
+        swap = next(iter(self._stores.values())).run_dir if self._stores else None
+        self.recorder.emit(ev.RunStarted(self.run_name, self.config.to_dict(), model,
+                                         describe([s.root for s in self._stores.values()]),
+                                         tuple(infos), str(swap) if swap else None, self.o_direct, time.time()))
+
+
+class _Traffic:
+    """Bytes moved per tier (read: into compute; written: back to a home)."""
+
+    def __init__(self) -> None:
+        self.read = {"gpu": 0, "cpu": 0, "nvme": 0}
+        self.written = {"gpu": 0, "cpu": 0, "nvme": 0}
+
+    def add(self, other: "_Traffic") -> None:
+        for k in self.read:
+            self.read[k] += other.read[k]
+            self.written[k] += other.written[k]
+
+
+class _StepTimer:
+    """Seconds spent in each phase of the current optimizer step."""
+
+    def __init__(self) -> None:
+        self.t0 = None
+        self.forward_s = self.backward_s = self.optimizer_s = self.stall_s = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self.t0 is not None
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        return time.perf_counter() - self.t0 if self.t0 is not None else 0.0
+
+    def snapshot(self, wall_s: float, losses: list[float]) -> dict:
+        return {
+            "wall_s": wall_s,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "optimizer_s": self.optimizer_s,
+            "stall_s": self.stall_s,
+            "loss": sum(losses) / len(losses) if losses else None,
+        }

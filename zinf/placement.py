@@ -1,0 +1,108 @@
+"""Static placement policies and the DRAM budget they must fit in.
+
+A placement gives every shard two homes: where its working copy (``param``) lives between uses,
+and where its optimizer group (fp32 master, moments and gradient accumulator, ``optim``) lives
+between steps. Tiers are ``gpu`` (the compute device; on a machine without a GPU that is the CPU
+itself), ``cpu`` (a DRAM home) and ``nvme`` (a file under ``nvme_path``).
+
+The static policies, from the DeepSpeed keys of the config:
+
+* ``offload_param.device`` / ``offload_optimizer.device``: ``none`` -> ``gpu``, ``cpu``, ``nvme``;
+* ``offload_param.max_in_cpu`` (only when given explicitly): with ``device: nvme``, the first N
+  elements in model order keep a DRAM param home, as DeepSpeed documents it;
+* ``module_parameters`` pins (in either offload section) override both for the modules they match.
+
+The DRAM a placement needs is computed analytically (:func:`dram_need`) so that a budget that
+cannot be met is refused at ``initialize`` instead of ending in an out-of-memory kill later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from zinf.errors import BudgetError
+from zinf.shards import Shard
+
+TIERS = ("gpu", "cpu", "nvme")
+_DEVICE_TO_TIER = {"none": "gpu", "gpu": "gpu", "cpu": "cpu", "nvme": "nvme"}
+
+
+@dataclass
+class ShardPlacement:
+    param: str  # tier of the param home
+    optim: str  # tier of the optimizer home; "none" for frozen shards
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def static_placement(shards: list[Shard], cfg, *, optim_pin_for=lambda name: None) -> list[ShardPlacement]:
+    """The placement DeepSpeed's keys (plus zinf's pins) describe, one entry per shard."""
+    zero = cfg.zero_optimization
+    param_default = _DEVICE_TO_TIER[zero.offload_param.device]
+    optim_default = _DEVICE_TO_TIER[zero.offload_optimizer.device]
+    # DeepSpeed's default max_in_cpu (1e9) would keep every model under a billion parameters in
+    # DRAM; zinf applies the key only when the user wrote it.
+    max_in_cpu = zero.offload_param.max_in_cpu if "max_in_cpu" in zero.offload_param.model_fields_set else 0
+    placed: list[ShardPlacement] = []
+    elements_in_cpu = 0
+    for s in shards:
+        param = param_default
+        if param == "nvme" and elements_in_cpu + s.numel <= max_in_cpu:
+            param = "cpu"
+            elements_in_cpu += s.numel
+        if s.pin is not None:
+            param = _DEVICE_TO_TIER[s.pin]
+        if s.trainable:
+            optim = optim_pin_for(s.members[0].name)
+            optim = _DEVICE_TO_TIER[optim] if optim else optim_default
+        else:
+            optim = "none"
+        placed.append(ShardPlacement(param, optim))
+    return placed
+
+
+@dataclass
+class DramNeed:
+    """Bytes of DRAM a placement needs, by what holds them."""
+
+    param_homes_bytes: int  # DRAM param homes (and resident working copies on a CPU device)
+    optim_homes_bytes: int  # fp32 master + moments + gradient accumulators kept in DRAM
+    working_bytes: int  # params materialised at once, gradient and optimizer buffers in flight
+    staging_bytes: int  # aligned staging buffers of the NVMe store
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_homes_bytes + self.optim_homes_bytes + self.working_bytes + self.staging_bytes
+
+    @property
+    def minimum_bytes(self) -> int:
+        """What even an all-NVMe placement would need: the working set and the staging pool."""
+        return self.working_bytes + self.staging_bytes
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def check_budget(need: DramNeed, budget_bytes: int | None) -> None:
+    """Raise :class:`BudgetError` when ``need`` does not fit ``budget_bytes`` (None = no budget)."""
+    if budget_bytes is None or need.total_bytes <= budget_bytes:
+        return
+    homes = need.param_homes_bytes + need.optim_homes_bytes
+    if need.minimum_bytes > budget_bytes:
+        raise BudgetError(
+            f"zinf.dram_budget {fmt_bytes(budget_bytes)} is below the minimum working set "
+            f"{fmt_bytes(need.minimum_bytes)} (params in use at once {fmt_bytes(need.working_bytes)}, "
+            f"staging buffers {fmt_bytes(need.staging_bytes)}); raise dram_budget to at least "
+            f"{fmt_bytes(need.minimum_bytes)} or lower zinf.chunk_size / offload buffer sizes"
+        )
+    raise BudgetError(
+        f"the placement needs {fmt_bytes(need.total_bytes)} of DRAM (homes {fmt_bytes(homes)}, "
+        f"working set {fmt_bytes(need.minimum_bytes)}) but zinf.dram_budget is {fmt_bytes(budget_bytes)}; "
+        f"raise dram_budget, or put more state on NVMe (offload_param/offload_optimizer device 'nvme', "
+        f"a smaller max_in_cpu, fewer 'cpu' pins)"
+    )
