@@ -1,0 +1,393 @@
+"""Read the profile database into pandas DataFrames (for the planner, the dashboard and users).
+
+Every function takes a SQLAlchemy URL (opened read-only, SQLite ``mode=ro``, so it can run beside
+a training process that is writing) or an engine from :func:`profiler.store.open_readonly`.
+Column names carry their units: ``_s`` seconds, ``_bytes`` bytes, ``_GBps`` 10^9 bytes per second,
+``_at`` timestamps (UTC ``pandas.Timestamp``).
+
+A run's ``status`` here is the *effective* one: a row still ``running`` whose process is gone
+(same host: its pid is dead or reused) or whose heartbeat is older than ``stale_after_s`` is
+reported as ``crashed``; ``recorded_status`` keeps what the row says.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import pandas as pd
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import URL, Engine
+
+from zinf.errors import ProfileError
+
+from profiler import schema
+from profiler.store import describe_url, pid_alive, reading
+
+STALE_AFTER_S = 60.0
+
+__all__ = [
+    "list_runs",
+    "latest_run_id",
+    "run_info",
+    "steps",
+    "shards",
+    "shard_steps",
+    "shard_access_stats",
+    "io_samples",
+    "bandwidth_over_time",
+    "migrations",
+    "plans",
+    "plan_assignments",
+    "tuning_trials",
+    "calibrations",
+    "effective_status",
+    "STALE_AFTER_S",
+]
+
+Source = str | URL | Engine
+
+
+@contextmanager
+def _read(src: Source) -> Iterator[sa.Connection]:
+    shown = describe_url(src.url if isinstance(src, Engine) else src)
+    with reading(src) as conn:
+        try:
+            yield conn
+        except sa_exc.OperationalError as e:
+            msg = str(e.orig if e.orig is not None else e).splitlines()[0]
+            if "no such table" in msg or "no such column" in msg or "does not exist" in msg:
+                raise ProfileError(
+                    f"profile database {shown} has no (or an older) profile schema ({msg}); "
+                    f"run `zinf db upgrade --db {shown}`"
+                ) from None
+            raise ProfileError(f"cannot read profile database {shown} ({msg}); check the URL and that the file is readable") from None
+        except sa_exc.DBAPIError as e:
+            msg = str(e.orig if e.orig is not None else e).splitlines()[0]
+            raise ProfileError(f"cannot read profile database {shown} ({msg}); check the URL and that the file is readable") from None
+
+
+def _frame(conn: sa.Connection, stmt, columns: list[str] | None = None) -> pd.DataFrame:
+    result = conn.execute(stmt)
+    keys = list(result.keys())
+    return pd.DataFrame(result.fetchall(), columns=columns or keys)
+
+
+def _ts(s: pd.Series) -> pd.Series:
+    return pd.to_datetime(pd.to_numeric(s, errors="coerce"), unit="s", utc=True)
+
+
+def _check_run(conn: sa.Connection, run_id: int, shown: str) -> None:
+    found = conn.execute(sa.select(schema.runs.c.id).where(schema.runs.c.id == int(run_id))).first()
+    if found is None:
+        ids = [r[0] for r in conn.execute(sa.select(schema.runs.c.id).order_by(schema.runs.c.id))]
+        if not ids:
+            known = "none (no run recorded yet)"
+        elif len(ids) > 20:
+            known = ", ".join(map(str, ids[:5])) + ", ..., " + ", ".join(map(str, ids[-10:]))
+        else:
+            known = ", ".join(map(str, ids))
+        raise ProfileError(f"unknown run id {run_id} in {shown}; known: {known}")
+
+
+def _shown(src: Source) -> str:
+    return describe_url(src.url if isinstance(src, Engine) else src)
+
+
+def effective_status(
+    status: str,
+    *,
+    hostname: str | None,
+    pid: int | None,
+    pid_start_ticks: int | None,
+    last_heartbeat: float | None,
+    started_at: float | None,
+    now: float | None = None,
+    stale_after_s: float = STALE_AFTER_S,
+    this_host: str | None = None,
+) -> str:
+    """``status``, except that a ``running`` row whose process is gone reads ``crashed``."""
+    if status != "running":
+        return status
+    this_host = this_host or socket.gethostname()
+    if hostname == this_host and pid:
+        alive = pid_alive(int(pid), None if _isnull(pid_start_ticks) else int(pid_start_ticks))
+        if alive is False:
+            return "crashed"
+        if alive is True:
+            return "running"
+    now = time.time() if now is None else now
+    beat = last_heartbeat if not _isnull(last_heartbeat) else started_at
+    if beat is None or _isnull(beat) or now - float(beat) > stale_after_s:
+        return "crashed"
+    return "running"
+
+
+def _isnull(x: Any) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+# ------------------------------------------------------------------------------------- runs
+def list_runs(src: Source, *, stale_after_s: float = STALE_AFTER_S) -> pd.DataFrame:
+    """One row per run: ``run_id, name, status, recorded_status, started_at, finished_at,
+    last_heartbeat_at, duration_s, steps, median_step_s, total_wall_s, hostname, pid, dropped_events``."""
+    r = schema.runs
+    with _read(src) as conn:
+        runs = _frame(conn, sa.select(
+            r.c.id.label("run_id"), r.c.name, r.c.status.label("recorded_status"), r.c.started_at,
+            r.c.finished_at, r.c.last_heartbeat, r.c.hostname, r.c.pid, r.c.pid_start_ticks, r.c.dropped_events,
+        ).order_by(r.c.id))
+        walls = _frame(conn, sa.select(schema.steps.c.run_id, schema.steps.c.wall_s))
+    if walls.empty:
+        agg = pd.DataFrame({"steps": pd.Series(dtype="int64"), "median_step_s": pd.Series(dtype="float64"),
+                            "total_wall_s": pd.Series(dtype="float64")})
+    else:
+        g = walls.groupby("run_id")["wall_s"]
+        agg = pd.DataFrame({"steps": g.size(), "median_step_s": g.median(), "total_wall_s": g.sum()})
+    runs = runs.merge(agg, left_on="run_id", right_index=True, how="left")
+    runs["steps"] = runs["steps"].fillna(0).astype("int64")
+    now, host = time.time(), socket.gethostname()
+    runs["status"] = [
+        effective_status(row.recorded_status, hostname=row.hostname, pid=None if _isnull(row.pid) else int(row.pid),
+                         pid_start_ticks=row.pid_start_ticks, last_heartbeat=row.last_heartbeat,
+                         started_at=row.started_at, now=now, stale_after_s=stale_after_s, this_host=host)
+        for row in runs.itertuples()
+    ]
+    end = runs["finished_at"].where(runs["finished_at"].notna(), runs["last_heartbeat"])
+    runs["duration_s"] = pd.to_numeric(end, errors="coerce") - pd.to_numeric(runs["started_at"], errors="coerce")
+    runs["started_at"] = _ts(runs["started_at"])
+    runs["finished_at"] = _ts(runs["finished_at"])
+    runs["last_heartbeat_at"] = _ts(runs["last_heartbeat"])
+    cols = ["run_id", "name", "status", "recorded_status", "started_at", "finished_at", "last_heartbeat_at",
+            "duration_s", "steps", "median_step_s", "total_wall_s", "hostname", "pid", "dropped_events"]
+    return runs[cols].reset_index(drop=True)
+
+
+def latest_run_id(src: Source) -> int | None:
+    """The id of the newest run, or None when no run is recorded."""
+    with _read(src) as conn:
+        v = conn.execute(sa.select(sa.func.max(schema.runs.c.id))).scalar()
+    return None if v is None else int(v)
+
+
+def run_info(src: Source, run_id: int, *, stale_after_s: float = STALE_AFTER_S) -> dict[str, Any]:
+    """Everything stored about one run (config, model, hardware, bandwidths, ...) as a dict."""
+    r = schema.runs
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        row = conn.execute(sa.select(r).where(r.c.id == int(run_id))).mappings().one()
+        n_steps = conn.execute(sa.select(sa.func.count()).select_from(schema.steps).where(schema.steps.c.run_id == int(run_id))).scalar()
+        n_shards = conn.execute(sa.select(sa.func.count()).select_from(schema.shards).where(schema.shards.c.run_id == int(run_id))).scalar()
+    info = dict(row)
+    info["run_id"] = info.pop("id")
+    info["recorded_status"] = info["status"]
+    info["status"] = effective_status(
+        info["status"], hostname=info["hostname"], pid=info["pid"], pid_start_ticks=info["pid_start_ticks"],
+        last_heartbeat=info["last_heartbeat"], started_at=info["started_at"], stale_after_s=stale_after_s,
+    )
+    info["steps"] = int(n_steps or 0)
+    info["shards"] = int(n_shards or 0)
+    return info
+
+
+# ------------------------------------------------------------------------------------ steps
+def steps(src: Source, run_id: int) -> pd.DataFrame:
+    """One row per optimizer step: ``step, wall_s, forward_s, backward_s, optimizer_s, stall_s,
+    migration_s, loss, read_<tier>_bytes, written_<tier>_bytes, dram_bytes, ..., plan_version``."""
+    t = schema.steps
+    cols = [c for c in t.c if c.name not in ("id", "run_id")]
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        df = _frame(conn, sa.select(*cols).where(t.c.run_id == int(run_id)).order_by(t.c.step, t.c.id))
+    df["recorded_at"] = _ts(df["recorded_at"])
+    return df
+
+
+def shards(src: Source, run_id: int) -> pd.DataFrame:
+    """The run's shards as recorded at its start (``shard_id, shard_index, name, module, kind, numel,
+    param_bytes, optim_bytes, grad_bytes, members, param_tier, optim_tier``)."""
+    t = schema.shards
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        df = _frame(conn, sa.select(t.c.id.label("shard_id"), *[c for c in t.c if c.name not in ("id", "run_id")])
+                    .where(t.c.run_id == int(run_id)).order_by(t.c.shard_index))
+    return df
+
+
+def shard_steps(src: Source, run_id: int) -> pd.DataFrame:
+    """The raw per-shard, per-window rows, with the shard's ``name``."""
+    ss, sh = schema.shard_steps, schema.shards
+    cols = [c for c in ss.c if c.name not in ("id", "run_id")]
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        df = _frame(conn, sa.select(*cols, sh.c.name, sh.c.shard_index)
+                    .join_from(ss, sh, ss.c.shard_id == sh.c.id)
+                    .where(ss.c.run_id == int(run_id)).order_by(ss.c.step, sh.c.shard_index))
+    return df
+
+
+def shard_access_stats(src: Source, run_id: int, first_step: int | None = None, last_step: int | None = None) -> pd.DataFrame:
+    """Per shard, over the windows that start in ``[first_step, last_step]``: accesses by phase,
+    bytes by tier, fetch/stall/optimizer seconds, totals and per-step rates, and the tiers at the
+    end of the range. ``steps`` is the number of steps the rates are divided by (those of the
+    selected windows). Shards never accessed in the range are listed with zeros."""
+    ss, sh, st = schema.shard_steps, schema.shards, schema.steps
+    rid = int(run_id)
+    sums = ["forward_accesses", "backward_accesses", "recompute_accesses", "optimizer_accesses",
+            *[f"read_{t}_bytes" for t in schema.TIERS], *[f"written_{t}_bytes" for t in schema.TIERS],
+            "fetch_s", "stall_s", "optimizer_s"]
+    cond = [ss.c.run_id == rid]
+    if first_step is not None:
+        cond.append(ss.c.step >= int(first_step))
+    if last_step is not None:
+        cond.append(ss.c.step <= int(last_step))
+    with _read(src) as conn:
+        _check_run(conn, rid, _shown(src))
+        base = _frame(conn, sa.select(
+            sh.c.id.label("shard_id"), sh.c.shard_index, sh.c.name, sh.c.module, sh.c.kind, sh.c.numel,
+            sh.c.param_bytes, sh.c.optim_bytes, sh.c.grad_bytes,
+            sh.c.param_tier.label("initial_param_tier"), sh.c.optim_tier.label("initial_optim_tier"),
+        ).where(sh.c.run_id == rid).order_by(sh.c.shard_index))
+        agg = _frame(conn, sa.select(
+            ss.c.shard_id, *[sa.func.sum(ss.c[c]).label(c) for c in sums],
+            sa.func.count().label("windows"),
+        ).where(*cond).group_by(ss.c.shard_id))
+        last = sa.select(ss.c.shard_id, sa.func.max(ss.c.step).label("m")).where(*cond).group_by(ss.c.shard_id).subquery()
+        tiers = _frame(conn, sa.select(ss.c.shard_id, ss.c.param_tier, ss.c.optim_tier)
+                       .join(last, sa.and_(ss.c.shard_id == last.c.shard_id, ss.c.step == last.c.m))
+                       .where(ss.c.run_id == rid))
+        # the divisor of the per-step rates: the steps of the windows selected (a window holds
+        # window_steps steps); without shard rows (detail="step"), the recorded steps in the range
+        windows = conn.execute(sa.select(ss.c.step, sa.func.max(ss.c.window_steps)).where(*cond).group_by(ss.c.step)).all()
+        if windows:
+            n_steps = int(sum(w for _, w in windows))
+        else:
+            scond = [st.c.run_id == rid]
+            if first_step is not None:
+                scond.append(st.c.step >= int(first_step))
+            if last_step is not None:
+                scond.append(st.c.step <= int(last_step))
+            n_steps = int(conn.execute(sa.select(sa.func.count()).select_from(st).where(*scond)).scalar() or 0)
+    tiers = tiers.drop_duplicates("shard_id", keep="last")
+    df = base.merge(agg, on="shard_id", how="left").merge(tiers, on="shard_id", how="left")
+    for c in sums + ["windows"]:
+        df[c] = df[c].fillna(0)
+        if c.endswith(("_accesses", "_bytes")) or c == "windows":
+            df[c] = df[c].astype("int64")
+        else:
+            df[c] = df[c].astype("float64")
+    df["param_tier"] = df["param_tier"].where(df["param_tier"].notna(), df["initial_param_tier"])
+    df["optim_tier"] = df["optim_tier"].where(df["optim_tier"].notna(), df["initial_optim_tier"])
+    df["total_accesses"] = df[["forward_accesses", "backward_accesses", "recompute_accesses", "optimizer_accesses"]].sum(axis=1)
+    df["read_bytes"] = df[[f"read_{t}_bytes" for t in schema.TIERS]].sum(axis=1)
+    df["written_bytes"] = df[[f"written_{t}_bytes" for t in schema.TIERS]].sum(axis=1)
+    df["steps"] = n_steps
+    div = float(n_steps) if n_steps else float("nan")
+    df["accesses_per_step"] = df["total_accesses"] / div
+    df["read_bytes_per_step"] = df["read_bytes"] / div
+    df["fetch_s_per_step"] = df["fetch_s"] / div
+    df["stall_s_per_step"] = df["stall_s"] / div
+    df["optimizer_s_per_step"] = df["optimizer_s"] / div
+    return df.reset_index(drop=True)
+
+
+# --------------------------------------------------------------------------------------- I/O
+def io_samples(src: Source, run_id: int) -> pd.DataFrame:
+    """The recorded I/O samples (``step, shard, op, tier, what, bytes, seconds, GBps, o_direct,
+    block_size, queue_depth, thread_count``); subsampled beyond the recorder's per-step cap."""
+    io, sh = schema.io_samples, schema.shards
+    cols = [c for c in io.c if c.name not in ("id", "run_id")]
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        df = _frame(conn, sa.select(*cols, sh.c.name.label("shard"))
+                    .join_from(io, sh, io.c.shard_id == sh.c.id, isouter=True)
+                    .where(io.c.run_id == int(run_id)).order_by(io.c.step, io.c.id))
+    secs = df["seconds"].astype("float64")
+    df["GBps"] = (df["bytes"].astype("float64") / secs.where(secs > 0)) / 1e9
+    return df
+
+
+def bandwidth_over_time(src: Source, run_id: int) -> pd.DataFrame:
+    """Per step and tier, from the I/O samples: ``read_bytes, read_s, read_samples, read_GBps``
+    and the same for ``write``. GB/s = sum(bytes) / sum(seconds) / 1e9 (NaN without samples)."""
+    io = schema.io_samples
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        agg = _frame(conn, sa.select(
+            io.c.step, io.c.tier, io.c.op, sa.func.count().label("samples"),
+            sa.func.sum(io.c.bytes).label("bytes"), sa.func.sum(io.c.seconds).label("seconds"),
+        ).where(io.c.run_id == int(run_id)).group_by(io.c.step, io.c.tier, io.c.op))
+    out_cols = ["step", "tier", "read_bytes", "read_s", "read_samples", "read_GBps",
+                "write_bytes", "write_s", "write_samples", "write_GBps"]
+    if agg.empty:
+        return pd.DataFrame({c: pd.Series(dtype="object" if c == "tier" else "float64") for c in out_cols})
+    df = agg[["step", "tier"]].drop_duplicates().sort_values(["step", "tier"]).reset_index(drop=True)
+    for op in ("read", "write"):
+        part = agg[agg["op"] == op].rename(columns={"bytes": f"{op}_bytes", "seconds": f"{op}_s", "samples": f"{op}_samples"})
+        df = df.merge(part.drop(columns="op"), on=["step", "tier"], how="left")
+        df[f"{op}_bytes"] = df[f"{op}_bytes"].fillna(0).astype("int64")
+        df[f"{op}_samples"] = df[f"{op}_samples"].fillna(0).astype("int64")
+        df[f"{op}_s"] = df[f"{op}_s"].fillna(0.0).astype("float64")
+        secs = df[f"{op}_s"]
+        df[f"{op}_GBps"] = df[f"{op}_bytes"].astype("float64") / secs.where(secs > 0) / 1e9
+    return df[out_cols]
+
+
+# -------------------------------------------------------------------- plans, migrations, tuning
+def migrations(src: Source, run_id: int) -> pd.DataFrame:
+    """Tier moves of shards between steps (``step, plan_version, shard, state, src_tier, dst_tier, bytes, seconds``)."""
+    m, sh = schema.migrations, schema.shards
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        return _frame(conn, sa.select(m.c.step, m.c.plan_version, sh.c.name.label("shard"), m.c.state, m.c.src_tier,
+                                      m.c.dst_tier, m.c.bytes, m.c.seconds)
+                      .join_from(m, sh, m.c.shard_id == sh.c.id).where(m.c.run_id == int(run_id)).order_by(m.c.step, m.c.id))
+
+
+def plans(src: Source, run_id: int) -> pd.DataFrame:
+    """The run's plans (``plan_id, version, created_step, created_at, policy, dram_budget_bytes,
+    predicted_step_s, predicted_gain_s, adopted, reason, assignments``)."""
+    p, a = schema.plans, schema.plan_assignments
+    n = sa.select(sa.func.count()).where(a.c.plan_id == p.c.id).scalar_subquery()
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        df = _frame(conn, sa.select(p.c.id.label("plan_id"), *[c for c in p.c if c.name not in ("id", "run_id")],
+                                    n.label("assignments")).where(p.c.run_id == int(run_id)).order_by(p.c.version, p.c.id))
+    df["created_at"] = _ts(df["created_at"])
+    return df
+
+
+def plan_assignments(src: Source, plan_id: int) -> pd.DataFrame:
+    """One plan's per-shard tiers and scores (``shard, shard_index, param_tier, optim_tier, score``)."""
+    a, sh = schema.plan_assignments, schema.shards
+    with _read(src) as conn:
+        return _frame(conn, sa.select(sh.c.name.label("shard"), sh.c.shard_index, a.c.param_tier, a.c.optim_tier, a.c.score)
+                      .join_from(a, sh, a.c.shard_id == sh.c.id).where(a.c.plan_id == int(plan_id)).order_by(sh.c.shard_index))
+
+
+def tuning_trials(src: Source, run_id: int | None = None) -> pd.DataFrame:
+    """Autotuner trials (all, or one run's): ``run_id, step, created_at, setting, step_s, chosen``."""
+    t = schema.tuning_trials
+    stmt = sa.select(*[c for c in t.c if c.name != "id"]).order_by(t.c.id)
+    if run_id is not None:
+        stmt = stmt.where(t.c.run_id == int(run_id))
+    with _read(src) as conn:
+        df = _frame(conn, stmt)
+    df["created_at"] = _ts(df["created_at"])
+    return df
+
+
+def calibrations(src: Source, path: str | None = None) -> pd.DataFrame:
+    """bench-io results (optionally of one ``path``), newest first."""
+    c = schema.calibrations
+    stmt = sa.select(*[col for col in c.c if col.name != "id"]).order_by(c.c.created_at.desc(), c.c.id.desc())
+    if path is not None:
+        stmt = stmt.where(c.c.path == str(path))
+    with _read(src) as conn:
+        df = _frame(conn, stmt)
+    df["created_at"] = _ts(df["created_at"])
+    return df
