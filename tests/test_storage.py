@@ -493,6 +493,36 @@ def test_store_operations(tmp_path, tmp_o_direct):
         store.read(key_b)
 
 
+def test_store_recycles_retired_files_but_never_a_linked_one(tmp_path, backend):
+    """Rewrites overwrite retired versions (no new files pile up), and a version hard-linked
+    into a checkpoint keeps its bytes however often the key is rewritten."""
+    with _quiet_store(tmp_path / "swap", thread_count=2, spare_bytes=64 << 20) as store:
+        for v in range(4):
+            store.write("w", torch.full((300_000,), float(v)))
+        names = sorted(p.name for p in store.run_dir.iterdir() if p.suffix == ".shard")
+        # the current version and at most per_length retired ones of its length
+        assert 2 <= len(names) <= 1 + store._spares.per_length, names
+        assert store.read("w").eq(3.0).all()
+
+        checkpoint = tmp_path / "ckpt.bin"
+        store.link_to("w", checkpoint)
+        for v in range(4, 10):
+            store.write("w", torch.full((300_000,), float(v)))
+            assert store.read("w").eq(float(v)).all()
+        saved = read_tensor_file(checkpoint, backend=backend, o_direct=False)  # verifies crc
+        assert saved.eq(3.0).all()
+        assert os.stat(checkpoint).st_nlink == 1  # the store let go of it
+
+        # a deleted key's file is retired too, and reused by a write of the same length
+        store.write("g", torch.ones(300_000))
+        store.delete("g")
+        assert not store.exists("g") and store.keys() == ["w"]
+        held = store._spares.held_bytes
+        store.write("h", torch.zeros(300_000))
+        assert store._spares.held_bytes <= held
+        assert store.read("h").eq(0.0).all()
+
+
 def test_store_concurrent_different_keys(tmp_path):
     # pin_memory only takes effect where CUDA exists.
     with _quiet_store(

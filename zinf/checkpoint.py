@@ -262,6 +262,7 @@ def _load_shard(engine, st, where, ckpt_flat) -> None:
             st.master.copy_(master)
             st.moments = moments if any_moments else {}
     if st.place.param == "nvme":
-        engine._stores["param"].write(st.key("param"), master.to(engine.dtype))
+        if not engine._param_file_is_master(st):  # else the master file written above is it
+            engine._stores["param"].write(st.key("param"), master.to(engine.dtype))
     elif st.param_home is not st.master:
         st.param_home.copy_(master)

@@ -350,7 +350,6 @@ class ZeroConfig(_Section):
         "allgather_bucket_size",
         "sub_group_size",
         "stage3_max_live_parameters",
-        "stage3_max_reuse_distance",
         "stage3_gather_16bit_weights_on_model_save",
         "round_robin_gradients",
         "ignore_unused_parameters",
@@ -402,7 +401,8 @@ class ZeroConfig(_Section):
     """No effect in zinf (DeepSpeed: elements resident on GPU at most; zinf uses ``gpu_budget``)."""
 
     stage3_max_reuse_distance: Size = 1_000_000_000
-    """No effect in zinf (DeepSpeed: keep a parameter if reused within this many elements)."""
+    """Keep a released parameter shard materialised when the trace needs it again within this
+    many elements of other fetches (and the prefetch window has room); 0 = always free."""
 
     stage3_gather_16bit_weights_on_model_save: bool = False
     """No effect in zinf (DeepSpeed: gather 16-bit weights on save; zinf saves shards)."""
@@ -656,6 +656,12 @@ class ZinfConfig(_Section):
 
     staging_buffers: int = Field(4, ge=1)
     """Number of staging buffers; with ``staging_buffer_size`` they count against ``dram_budget``."""
+
+    overlap_optimizer: bool = True
+    """With ``gradient_clipping`` off, update each NVMe-resident shard as soon as its gradient is
+    final, during backward, instead of writing the gradient to NVMe and reading it back in the
+    optimizer phase (saves 8 bytes of NVMe traffic a parameter, and overlaps the update with
+    backward). With clipping on, the global norm needs every gradient first, so this is off."""
 
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     """Placement policy."""

@@ -4,21 +4,29 @@ optimizer phase the way plain PyTorch would.
 How a step goes (see docs/architecture.md, "Anatomy of a step"):
 
 1. **Forward.** A forward-pre-hook on each module that directly owns parameters materialises
-   their shards on the compute device (a copy from the DRAM home, or a read of the NVMe file);
-   the forward-post-hook frees them again. Shards whose param home *is* the compute device stay
+   their shards on the compute device (a copy from the DRAM home, or the NVMe read that the
+   prefetcher started earlier along the recorded trace: :mod:`zinf.prefetch`); the
+   forward-post-hook frees them again. Shards whose param home *is* the compute device stay
    resident and cost nothing.
 2. **Backward.** A full-backward-pre-hook materialises the module's shards again (autograd saved
    the parameter tensors, whose storage was freed and is now refilled in place), the
    full-backward-hook frees them. A post-accumulate-grad hook moves each gradient, as soon as it
-   is final, into the shard's fp32 accumulator (in DRAM, or on NVMe for NVMe optimizer homes)
-   and drops the device copy.
-3. **Optimizer phase** (at the accumulation boundary). For each shard with a gradient: bring its
-   optimizer group in, clip, update each member that got a gradient (``zinf.optim``), write the
-   group back, refresh the param home.
+   is final, into the shard's fp32 accumulator and drops the device copy. For a shard whose
+   optimizer home is NVMe the accumulator is written out asynchronously, or, at the last
+   micro-batch with clipping off, the shard is updated right there on a worker thread
+   (``zinf.overlap_optimizer``).
+3. **Optimizer phase** (at the accumulation boundary). For each shard with a gradient: clip,
+   update each member that got a gradient (``zinf.optim``), refresh the param home. NVMe groups
+   are pipelined: the read of the next group, the update of this one and the write-back of the
+   previous ones overlap (``pipeline_read`` / ``pipeline_write``).
 
 Parameter storage is freed with ``untyped_storage().resize_(0)`` and refilled with
 ``resize_`` + a copy through ``.data`` (which does not bump autograd's version counter), the
 technique FSDP2 uses, so tensors autograd saved in forward see the data again in backward.
+
+Where an fp32 working copy and the fp32 master would hold the same bytes (fp32 training on the
+CPU), one copy serves both: in DRAM one tensor, on NVMe one file (the ``master`` file is what
+forward reads).
 """
 
 from __future__ import annotations
@@ -26,8 +34,11 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import threading
 import time
 import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +53,9 @@ from zinf.hardware import describe, rss_bytes
 from zinf.optim import OptimizerSpec, clip_coefficient
 from zinf.pins import PinSet
 from zinf.placement import DramNeed, ShardPlacement, check_budget, static_placement
+from zinf.prefetch import Prefetcher
 from zinf.shards import Member, Shard, build_shards
+from zinf.storage.aligned import BufferPool
 
 log = logging.getLogger("zinf")
 
@@ -78,6 +91,7 @@ class ShardState:
     grad_members: set[int] = field(default_factory=set)  # members with a gradient this window
     arrived_now: set[int] = field(default_factory=set)  # members whose grad arrived this backward
     grad_norms: dict[int, Tensor] = field(default_factory=dict)  # member -> 2-norm of its grad
+    group_reads: dict[str, Future] | None = None  # optimizer group read ahead of its update
 
     @property
     def name(self) -> str:
@@ -135,10 +149,25 @@ class Engine:
         }
         self._module_states = self._map_modules(model)
 
-        # 2. refuse a budget the placement cannot meet, before touching any data
+        # 2. refuse a budget the placement cannot meet, before touching any data; then size the
+        #    overlap (prefetch window, optimizer read-ahead, writes in flight) from what is left
         self._stores: dict[str, object] = {}
         self.dram_need = self._dram_need()
         check_budget(self.dram_need, cfg.zinf.dram_budget)
+        self.overlap = self._size_overlap(cfg.zinf.dram_budget)
+        self.dram_need.overlap_bytes = self.overlap.total_bytes
+        self._stats_lock = threading.Lock()
+        self._buffers = BufferPool(max_free_bytes=self.overlap.total_bytes + self._largest_nvme_group_bytes(),
+                                   pin=self.device.type == "cuda")
+        elem_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self._prefetcher = Prefetcher(self._start_param_read, self._param_read_bytes, self._discard_read,
+                                      window_bytes=self.overlap.prefetch_bytes,
+                                      reuse_distance_bytes=zero.stage3_max_reuse_distance * elem_bytes)
+        self._writes = _WriteWindow(self.overlap.write_bytes)
+        self._eager = ThreadPoolExecutor(1, thread_name_prefix="zinf-optim") if self.overlap.eager else None
+        self._eager_futures: list[Future] = []
+        self._pass_held: set[ShardState] = set()  # chunks kept materialised until the pass ends
+        self._pass_open = False  # a forward/backward pass is under way along the trace
 
         # 3. open NVMe stores, move every shard to its homes, free the model's own copies
         try:
@@ -213,7 +242,8 @@ class Engine:
         # Params materialised at once: a module's shards plus those of its ancestors, plus one
         # more module's worth held until the end of backward (a first layer whose inputs need
         # no grad gets no backward-done hook).
-        live = self._live_param_bound()
+        live = self._live_param_bound() + sum(
+            self._nbytes(st)[0] for st in self.states if len(st.shard.members) > 1 and st.place.param == "nvme")
         staging = 0
         if any(st.place.param == "nvme" or st.place.optim == "nvme" for st in self.states):
             staging = self.config.zinf.staging_buffers * self.config.zinf.staging_buffer_size
@@ -243,6 +273,51 @@ class Engine:
             largest = max(largest, sum(fetched(st) for st in self._module_states.get(mod, [])))
         return worst + largest
 
+    def _largest_nvme_group_bytes(self) -> int:
+        """Bytes of the largest optimizer group (master, moments, gradient) homed on NVMe."""
+        return max((sum(self._nbytes(st)[1:]) for st in self.states if st.place.optim == "nvme"), default=0)
+
+    def _size_overlap(self, budget_bytes: int | None) -> "Overlap":
+        """How much DRAM the overlap of I/O with compute may use, and which kinds are on.
+
+        Wanted: a window of writes in flight (two optimizer groups, so that write-back never
+        blocks the next update), one optimizer group read ahead (``pipeline_read``), two groups
+        for updates running during backward (``zinf.overlap_optimizer``), and the parameter
+        prefetch window (``stage3_prefetch_bucket_size`` elements, at most ``buffer_count`` x
+        ``buffer_size``). Under a budget they get what the placement leaves, in that order; what
+        does not fit is switched off (training stays correct, it is only slower).
+        """
+        cfg = self.config
+        zero = cfg.zero_optimization
+        off_opt = zero.offload_optimizer
+        any_nvme_optim = any(st.place.optim == "nvme" for st in self.states)
+        any_nvme_param = any(st.place.param == "nvme" for st in self.states)
+        group = self._largest_nvme_group_bytes()
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        left = None if budget_bytes is None else budget_bytes - self.dram_need.total_bytes
+
+        def grant(want: int) -> int:
+            nonlocal left
+            if left is None:
+                return want
+            got = want if want <= left else 0
+            left -= got
+            return got
+
+        write = grant(2 * group) if any_nvme_optim and off_opt.pipeline_write else 0
+        read_ahead = grant(group) if any_nvme_optim and off_opt.pipeline_read else 0
+        eager_wanted = cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0 and any_nvme_optim
+        eager = grant(3 * group) if eager_wanted else 0  # two updates queued, one group read ahead
+        prefetch = 0
+        if any_nvme_param and zero.stage3_prefetch_bucket_size > 0:
+            want = min(zero.stage3_prefetch_bucket_size, zero.offload_param.buffer_count * zero.offload_param.buffer_size) * elem
+            prefetch = want if left is None else max(0, min(want, left))
+            # a window smaller than the largest shard could never hold a read
+            largest = max((self._nbytes(st)[0] for st in self.states if st.place.param == "nvme"), default=0)
+            prefetch = prefetch if prefetch >= largest else 0
+        return Overlap(write_bytes=write, read_ahead_bytes=read_ahead, eager_bytes=eager, prefetch_bytes=prefetch,
+                       eager=eager > 0)
+
     def _open_stores(self) -> None:
         from zinf.storage.nvme import NvmeStore
 
@@ -266,19 +341,43 @@ class Engine:
                     pin_memory=self.device.type == "cuda",
                     staging_bytes=cfg.zinf.staging_buffer_size,
                     staging_count=cfg.zinf.staging_buffers,
+                    spare_bytes=self._spare_bytes(),
                     listener=self._on_io if self.recorder.enabled else None,
                 )
             self._stores[role] = by_path[path]
         needed = {"param": 0, "optim": 0}
         for st in self.states:
             pb, ob, gb = self._nbytes(st)
-            if st.place.param == "nvme":
+            if st.place.param == "nvme" and not self._param_file_is_master(st):
                 needed["param"] += pb
             if st.place.optim == "nvme":
                 needed["optim"] += ob + gb
         for role, store in self._stores.items():
-            # Every file may briefly exist twice while it is being replaced (write-new, switch).
-            store.check_space(needed[role] + max(self._nbytes(st)[0] + self._nbytes(st)[1] for st in self.states))
+            # Every file may briefly exist twice while it is being replaced (write-new, switch),
+            # and retired versions are kept for reuse up to the spare pool's bytes.
+            store.check_space(needed[role] + self._spare_bytes()
+                              + max(self._nbytes(st)[0] + self._nbytes(st)[1] for st in self.states))
+
+    def _spare_bytes(self) -> int:
+        """Disk for retired swap files kept for reuse (see zinf.storage.nvme.SparePool): room for
+        a few of the largest, at most a quarter of the swap state beyond that, 256 MiB at most."""
+        largest = max((sum(self._nbytes(st)) for st in self.states), default=0)
+        swap = sum(sum(self._nbytes(st)) for st in self.states if "nvme" in (st.place.param, st.place.optim))
+        return max(4 * largest, min(256 << 20, swap // 4))
+
+    def _param_file_is_master(self, st: ShardState) -> bool:
+        """fp32 working copy and fp32 master both on NVMe, in one store: one file serves both."""
+        return (
+            st.shard.trainable
+            and self.dtype == torch.float32
+            and st.place.param == "nvme"
+            and st.place.optim == "nvme"
+            and Path(self.config.param_nvme_path).expanduser().absolute()
+            == Path(self.config.optim_nvme_path).expanduser().absolute()
+        )
+
+    def _param_key(self, st: ShardState) -> str:
+        return st.key("master") if self._param_file_is_master(st) else st.key("param")
 
     @property
     def o_direct(self) -> bool:
@@ -304,7 +403,8 @@ class Engine:
             if self._aliases_master(st):
                 st.param_home = st.master
             elif st.place.param == "nvme":
-                self._stores["param"].write(st.key("param"), flat.to(self.dtype))
+                if not self._param_file_is_master(st):
+                    self._stores["param"].write(st.key("param"), flat.to(self.dtype))
             else:
                 home = flat.to(self.dtype) if self.dtype != torch.float32 else flat.clone()
                 st.param_home = home.to(self.device) if st.place.param == "gpu" else home
@@ -352,6 +452,11 @@ class Engine:
             for st in states:
                 self._acquire(st, "backward")
                 self._backward_held.append(st)
+                if self._eager is not None and len(st.shard.members) == 1 and st.place.optim == "nvme" \
+                        and st.group_reads is None and st.shard.trainable and self._last_micro_batch():
+                    # its update will run as soon as its gradient is final: read its optimizer
+                    # group now, while the module's backward computes
+                    st.group_reads = self._read_group_async(st, with_grad=False)
 
         return hook
 
@@ -378,28 +483,62 @@ class Engine:
     def _acquire(self, st: ShardState, phase: str) -> None:
         if st.param_state is ParamState.RESIDENT:
             if self.recorder.enabled:
-                self._emit_fetch(st, phase, st.place.param, 0, 0.0)
+                self._emit_fetch(st, phase, st.place.param, 0, 0.0, 0.0)
             return
         st.refcount += 1
         if st.param_state is ParamState.MATERIALISED:
+            if st.refcount == 1 and st.shard.index in self._prefetcher.kept:
+                self._prefetcher.reuse(st.shard.index)  # kept since its last use: no read
+                if self.recorder.enabled:
+                    self._emit_fetch(st, phase, st.place.param, 0, 0.0, 0.0)
             return
         t0 = time.perf_counter()
         shard = st.shard
+        nbytes = self._nbytes(st)[0]
         with record_function(f"zinf.fetch.{st.place.param}"):
             if st.place.param == "nvme":
-                src = self._stores["param"].read(st.key("param"))
-                self._stats.read[st.place.param] += src.numel() * src.element_size()
+                entry = self._prefetcher.take(shard.index)
+                future = entry.future if entry is not None else self._start_param_read(shard.index)
+                try:
+                    src = future.result()  # waits only for what the prefetch did not bring in time
+                finally:
+                    buffer = future.zinf_buffer
+                landed = entry.done_at_s[0] if entry is not None and entry.done_at_s else time.perf_counter()
+                fetch_s = landed - (entry.issued_at_s if entry is not None else t0)
             else:
-                src = st.param_home
-                self._stats.read[st.place.param] += shard.numel * src.element_size()
+                src, buffer = st.param_home, None
             for m in shard.members:
                 m.param.untyped_storage().resize_(m.numel * m.param.element_size())
                 m.param.data.copy_(src[m.offset : m.offset + m.numel].view(m.shape))
+            if buffer is not None:
+                self._buffers.put(buffer)
         st.param_state = ParamState.MATERIALISED
-        dt = time.perf_counter() - t0
-        self._step_timer.stall_s += dt  # a synchronous fetch stalls compute for all of it
+        stall_s = time.perf_counter() - t0
+        if st.place.param != "nvme":
+            fetch_s = stall_s
+        self._count("read", st.place.param, nbytes)
+        self._step_timer.stall_s += stall_s
         if self.recorder.enabled:
-            self._emit_fetch(st, phase, st.place.param, shard.numel * src.element_size(), dt)
+            self._emit_fetch(st, phase, st.place.param, nbytes, fetch_s, stall_s)
+
+    def _param_read_bytes(self, index: int) -> int:
+        return self._nbytes(self.states[index])[0]
+
+    def _start_param_read(self, index: int) -> Future:
+        """Start reading shard ``index``'s param file into a pooled aligned buffer. The future
+        resolves to the flat tensor (compute dtype); ``future.zinf_buffer`` is the raw buffer,
+        which whoever consumes the future gives back to the pool."""
+        st = self.states[index]
+        nbytes = self._nbytes(st)[0]
+        buffer = self._buffers.get(nbytes)
+        out = buffer[:nbytes].view(self.dtype)
+        future = self._stores["param"].read_async(self._param_key(st), out)
+        future.zinf_buffer = buffer
+        return future
+
+    def _discard_read(self, future: Future) -> None:
+        """A prefetch that will not be used: its buffer goes back to the pool once it lands."""
+        future.add_done_callback(lambda f: self._buffers.put(f.zinf_buffer))
 
     def _release(self, st: ShardState) -> None:
         if st.param_state is ParamState.RESIDENT:
@@ -408,9 +547,30 @@ class Engine:
         if st.refcount > 0:
             return
         st.refcount = 0
+        if len(st.shard.members) > 1 and (self._in_backward or torch.is_grad_enabled()):
+            # A chunk of small parameters serves many modules, one after another: it stays for
+            # the whole pass (counted in the working set), instead of one read per module.
+            self._pass_held.add(st)
+            return
+        if st.place.param == "nvme" and self._prefetcher.keep(st.shard.index):
+            return  # needed again soon: stays materialised (counted in the prefetch window)
+        self._free(st)
+
+    def _free(self, st: ShardState) -> None:
         for m in st.shard.members:
             m.param.untyped_storage().resize_(0)
         st.param_state = ParamState.FREED
+
+    def _free_kept(self) -> None:
+        """Free the shards kept materialised for reuse (the pass is over, or params change)."""
+        held, self._pass_held = self._pass_held, set()
+        for st in held:
+            if st.refcount == 0 and st.param_state is ParamState.MATERIALISED:
+                self._free(st)
+        for index in self._prefetcher.pop_kept():
+            st = self.states[index]
+            if st.refcount == 0 and st.param_state is ParamState.MATERIALISED:
+                self._free(st)
 
     # ------------------------------------------------------------------ gradients
     def _take_grad(self, st: ShardState, i: int, param: Tensor) -> None:
@@ -424,7 +584,9 @@ class Engine:
             if st.grad is None:
                 st.grad = torch.empty(st.shard.numel, dtype=torch.float32)
                 if st.grad_on_nvme:  # earlier micro-batches of this window left their sum on NVMe
+                    t0 = time.perf_counter()
                     self._read_optim(st, "grad", out=st.grad)
+                    self._step_timer.stall_s += time.perf_counter() - t0
             view = st.grad[m.offset : m.offset + m.numel].view(m.shape)
             g = g.to("cpu", torch.float32) if (g.device.type != "cpu" or g.dtype != torch.float32) else g
             if i in st.grad_members:
@@ -434,7 +596,27 @@ class Engine:
             st.grad_members.add(i)
             st.arrived_now.add(i)
             if st.place.optim == "nvme" and len(st.shard.members) == 1:
-                self._spill_grad(st)
+                if self._eager is not None and self._last_micro_batch():
+                    self._update_during_backward(st)
+                else:
+                    self._spill_grad(st)
+
+    def _last_micro_batch(self) -> bool:
+        """Whether the backward running now ends a gradient-accumulation window."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def _update_during_backward(self, st: ShardState) -> None:
+        """Clipping is off and this shard's gradient is final: update it now, on the optimizer
+        worker, while backward goes on. Waits (a stall) when two updates are already queued."""
+        st.arrived_now.clear()
+        group, st.group_reads = st.group_reads, None
+        if group is None or (st.grad is None and "grad" not in group):
+            group = self._read_group_async(st)
+        while len(self._eager_futures) >= 2:
+            t0 = time.perf_counter()
+            self._eager_futures.pop(0).result()
+            self._step_timer.stall_s += time.perf_counter() - t0
+        self._eager_futures.append(self._eager.submit(self._update_shard, st, None, group))
 
     def _spill_grad(self, st: ShardState) -> None:
         """Write an NVMe shard's accumulated gradient to its file (after noting its norms)."""
@@ -442,28 +624,75 @@ class Engine:
             m = st.shard.members[i]
             st.grad_norms[i] = torch.linalg.vector_norm(st.grad[m.offset : m.offset + m.numel], 2.0)
         st.arrived_now.clear()
-        self._write_optim(st, "grad", st.grad)
+        grad, st.grad = st.grad, None
+        self._write_optim(st, "grad", grad)  # asynchronous: backward goes on
         st.grad_on_nvme = True
-        st.grad = None
 
     def _finish_backward(self) -> None:
         for st in self._backward_held:
             self._release(st)
         self._backward_held = []
         for st in self.states:
-            if st.grad is not None and st.place.optim == "nvme":
-                self._spill_grad(st)
+            # gradients that arrived and still sit in DRAM (chunks wait for the end of backward)
+            if st.place.optim == "nvme" and st.arrived_now:
+                if self._eager is not None and self._last_micro_batch():
+                    self._update_during_backward(st)  # a chunk: final once backward is over
+                else:
+                    self._spill_grad(st)
             st.arrived_now.clear()
+        self._free_kept()
+        self._prefetcher.end_recording()
+        # The next pass may start reading now, unless an optimizer step comes first: it
+        # rewrites the parameters, and a read issued before that would see the old values.
+        if not self._last_micro_batch():
+            self._prefetcher.begin_pass()
+            self._pass_open = "fresh"
+        else:
+            self._pass_open = False
 
     # ------------------------------------------------------------------ NVMe helpers
+    def _count(self, op: str, tier: str, nbytes: int) -> None:
+        with self._stats_lock:
+            (self._stats.read if op == "read" else self._stats.written)[tier] += nbytes
+
     def _read_optim(self, st: ShardState, what: str, out: Tensor | None = None) -> Tensor:
         t = self._stores["optim"].read(st.key(what), out=out)
-        self._stats.read["nvme"] += t.numel() * t.element_size()
+        self._count("read", "nvme", t.numel() * t.element_size())
         return t
 
-    def _write_optim(self, st: ShardState, what: str, t: Tensor) -> None:
-        self._stores["optim"].write(st.key(what), t)
-        self._stats.written["nvme"] += t.numel() * t.element_size()
+    def _write_optim(self, st: ShardState, what: str, t: Tensor, buffer: Tensor | None = None) -> None:
+        """Write ``t`` to the shard's ``what`` file: through the window of writes in flight when
+        there is one (``buffer``, if given, goes back to the pool when the write is done)."""
+        self._write(self._stores["optim"], st.key(what), t, buffer)
+
+    def _write(self, store, key: str, t: Tensor, buffer: Tensor | None = None) -> None:
+        nbytes = t.numel() * t.element_size()
+        self._count("write", "nvme", nbytes)
+        if self._writes.cap_bytes == 0:
+            store.write(key, t)
+            if buffer is not None:
+                self._buffers.put(buffer)
+            return
+        self._writes.reserve(nbytes)
+        future = store.write_async(key, t)
+        self._writes.track(future, nbytes, on_done=(lambda: self._buffers.put(buffer)) if buffer is not None else None)
+
+    def _read_group_async(self, st: ShardState, with_grad: bool = True) -> dict[str, Future]:
+        """Start reading an NVMe shard's optimizer group into pooled buffers: the master, the
+        moments (once they exist) and the gradient (when it waits on NVMe and ``with_grad``)."""
+        n = st.shard.numel
+        store = self._stores["optim"]
+        names = ["master", *(self.optimizer.state_names if st.has_moments else ())]
+        if st.grad is None and with_grad:
+            names.append("grad")
+        group: dict[str, Future] = {}
+        for name in names:
+            buffer = self._buffers.get(n * 4)
+            future = store.read_async(st.key(name), buffer[: n * 4].view(torch.float32))
+            future.zinf_buffer = buffer
+            group[name] = future
+            self._count("read", "nvme", n * 4)
+        return group
 
     def _on_io(self, op: str, key: str, nbytes: int, seconds: float) -> None:
         index, _, what = key.partition(".")
@@ -478,9 +707,17 @@ class Engine:
         self._check_open()
         if not self._step_timer.running:
             self._step_timer.start()
+        if self._prefetcher.recording and self._prefetcher.trace and not self._in_backward:
+            self._prefetcher.end_recording()  # a forward-only pass (evaluation) came before
+        if self._pass_open != "fresh" and not self._in_backward:
+            self._free_kept()
+            self._prefetcher.begin_pass()
+        self._pass_open = True
         t0 = time.perf_counter()
         with record_function("zinf.forward"):
             out = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            self._free_kept()  # evaluation: no backward follows that could reuse them
         self._step_timer.forward_s += time.perf_counter() - t0
         return out
 
@@ -497,7 +734,10 @@ class Engine:
         self._backward_held = []
         self._in_backward = True
         try:
-            with record_function("zinf.backward"):
+            with record_function("zinf.backward"), warnings.catch_warnings():
+                # A module none of whose inputs needs a gradient (the first layer, an embedding)
+                # gets its full-backward hook early; _make_post_backward handles that case.
+                warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
                 scaled.backward()
         finally:
             self._in_backward = False
@@ -516,8 +756,16 @@ class Engine:
         self._step_timer.optimizer_s += time.perf_counter() - t0
         self.global_steps += 1
         self._end_step()
+        # The parameters are final for the next step: its first reads may start now (they
+        # queue behind the write-backs of the same files).
+        self._prefetcher.begin_pass()
+        self._pass_open = "fresh"
 
     def _optimizer_phase(self) -> None:
+        # no parameter read in flight may cross the update (it would see the old values)
+        self._prefetcher.cancel()
+        self._free_kept()
+        self._wait_updates_during_backward()
         states = [st for st in self.states if st.grad_members]
         coef = None
         if self.config.gradient_clipping > 0 and states:
@@ -530,21 +778,55 @@ class Engine:
                     norms.append((m.index, st.grad_norms[i]))
             norms.sort(key=lambda x: x[0])  # model order, as clip_grad_norm_ stacks them
             coef = clip_coefficient([n for _, n in norms], self.config.gradient_clipping)
+        # Pipelined over NVMe groups: the next group's read is in flight while this one is
+        # updated, and write-backs run behind (self._writes) while later groups go on.
+        read_ahead = self.overlap.read_ahead_bytes > 0
+        reads: dict[int, dict[str, Future]] = {}
+        nvme_states = [st for st in states if st.place.optim == "nvme"]
+        upcoming = iter(nvme_states)
         for st in states:
-            self._update_shard(st, coef)
+            if st.place.optim == "nvme":
+                if st.shard.index not in reads:
+                    nxt = next(upcoming)
+                    assert nxt is st, "NVMe groups are read in the order they are updated"
+                    reads[nxt.shard.index] = self._read_group_async(nxt)
+                if read_ahead:
+                    nxt = next(upcoming, None)
+                    if nxt is not None:
+                        reads[nxt.shard.index] = self._read_group_async(nxt)
+            self._update_shard(st, coef, reads.pop(st.shard.index, None))
 
-    def _update_shard(self, st: ShardState, coef: Tensor | None) -> None:
+    def _wait_updates_during_backward(self) -> None:
+        futures, self._eager_futures = self._eager_futures, []
+        for f in futures:
+            f.result()
+
+    def _update_shard(self, st: ShardState, coef: Tensor | None, group: dict[str, Future] | None) -> None:
+        """Clip (``coef``) and update the members of ``st`` that got a gradient, then write the
+        group back and refresh the param home. ``group``: the reads of an NVMe group, started
+        by :meth:`_read_group_async`. Runs on the optimizer worker for updates during backward."""
         shard, opt = st.shard, self.optimizer
         t0 = time.perf_counter()
         read_bytes = write_bytes = 0
         on_nvme = st.place.optim == "nvme"
+        buffers: dict[str, Tensor] = {}
         with record_function(f"zinf.optimizer.read.{st.place.optim}"):
             if on_nvme:
-                master = self._read_optim(st, "master")
-                moments = {name: self._read_optim(st, name) if st.has_moments else torch.zeros(shard.numel) for name in opt.state_names}
+                loaded = {}
+                for name, future in group.items():
+                    buffers[name] = future.zinf_buffer
+                    loaded[name] = future.result()
+                    read_bytes += shard.numel * 4
+                master = loaded["master"]
+                moments = {}
+                for name in opt.state_names:
+                    if name in loaded:  # read because they existed when the reads were asked for
+                        moments[name] = loaded[name]
+                    else:
+                        buffers[name] = self._buffers.get(shard.numel * 4)
+                        moments[name] = buffers[name][: shard.numel * 4].view(torch.float32).zero_()
                 if st.grad is None:
-                    st.grad = self._read_optim(st, "grad")
-                read_bytes = shard.numel * 4 * (1 + (len(opt.state_names) if st.has_moments else 0) + 1)
+                    st.grad = loaded["grad"]
             else:
                 master = st.master
                 if not st.has_moments:
@@ -563,14 +845,16 @@ class Engine:
         st.has_moments = True
         t2 = time.perf_counter()
         with record_function(f"zinf.optimizer.write.{st.place.optim}"):
+            self._refresh_param_home(st, master)  # before the write-back hands master's buffer on
             if on_nvme:
-                self._write_optim(st, "master", master)
+                if "grad" in buffers:  # the gradient was read into a pooled buffer: done with it
+                    self._buffers.put(buffers.pop("grad"))
+                self._write_optim(st, "master", master, buffers.pop("master"))
                 for name, t in moments.items():
-                    self._write_optim(st, name, t)
+                    self._write_optim(st, name, t, buffers.pop(name))
                 if st.grad_on_nvme:
                     self._stores["optim"].delete(st.key("grad"))
                 write_bytes = shard.numel * 4 * (1 + len(moments))
-            self._refresh_param_home(st, master)
         t3 = time.perf_counter()
         n_updated = len(st.grad_members)
         st.grad = None
@@ -581,11 +865,10 @@ class Engine:
             self.recorder.emit(ev.OptimizerShardDone(self.global_steps, st.name, st.place.optim, read_bytes, write_bytes, t1 - t0, t2 - t1, t3 - t2, n_updated))
 
     def _refresh_param_home(self, st: ShardState, master: Tensor) -> None:
-        if st.param_home is master:
+        if st.param_home is master or self._param_file_is_master(st):
             return
         if st.place.param == "nvme":
-            self._stores["param"].write(st.key("param"), master.to(self.dtype))
-            self._stats.written["nvme"] += st.shard.numel * torch.empty((), dtype=self.dtype).element_size()
+            self._write(self._stores["param"], st.key("param"), master.to(self.dtype))
         else:
             st.param_home.copy_(master)
 
@@ -634,7 +917,7 @@ class Engine:
                     total += t.numel() * t.element_size()
             if st.param_state is ParamState.MATERIALISED and self.device.type == "cpu":
                 total += st.shard.numel * torch.empty((), dtype=self.dtype).element_size()
-        return total
+        return total + self._buffers.in_use_bytes
 
     def _master_flat(self, st: ShardState) -> Tensor:
         if not st.shard.trainable:
@@ -648,6 +931,7 @@ class Engine:
         """{fully qualified name: fp32 master tensor} for every name of model.named_parameters(),
         tied names included (they share one tensor)."""
         self._check_open()
+        self._drain()
         out: dict[str, Tensor] = {}
         for st in self.states:
             flat = self._master_flat(st)
@@ -662,6 +946,7 @@ class Engine:
         from zinf.checkpoint import save_checkpoint
 
         self._check_open()
+        self._drain()
         return save_checkpoint(self, Path(directory))
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
@@ -669,26 +954,53 @@ class Engine:
         from zinf.checkpoint import load_checkpoint
 
         self._check_open()
+        self._drain()
         load_checkpoint(self, Path(directory))
+        self._prefetcher.begin_pass()  # reads queue behind the restored files
+        self._pass_open = "fresh"
 
     def _check_open(self) -> None:
         if self._closed:
             raise ModelError("this zinf engine is closed; build a new one with zinf.initialize")
 
-    def _close_stores(self) -> None:
+    def _drain(self) -> None:
+        """Wait for all background work: updates during backward, prefetches, writes in flight.
+        Raises the first error any of them met."""
+        self._prefetcher.cancel()
+        self._free_kept()
+        self._wait_updates_during_backward()
+        self._writes.wait_all()
         for store in {id(s): s for s in self._stores.values()}.values():
-            store.close()
+            store.flush()
+
+    def _close_stores(self) -> None:
+        prefetcher = getattr(self, "_prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.cancel()
+        if getattr(self, "_eager", None) is not None:
+            self._eager.shutdown(wait=True)
+        for store in {id(s): s for s in self._stores.values()}.values():
+            store.close()  # finishes the requests in flight first
         self._stores = {}
 
     def close(self) -> None:
         """Remove hooks, flush the recorder and delete this run's swap files. Idempotent."""
         if self._closed:
             return
+        try:
+            self._drain()  # a write that failed in the background must not pass unnoticed
+        except BaseException:
+            self._close_quietly("crashed")
+            raise
+        self._close_quietly("finished")
+
+    def _close_quietly(self, status: str) -> None:
         self._closed = True
         for h in getattr(self, "_hooks", []):
             h.remove()
+        self._hooks = []
         if self.recorder.enabled:
-            self.recorder.emit(ev.RunFinished("finished", self.global_steps, time.time()))
+            self.recorder.emit(ev.RunFinished(status, self.global_steps, time.time()))
         self.recorder.close()
         self._close_stores()
 
@@ -696,13 +1008,8 @@ class Engine:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and self.recorder.enabled and not self._closed:
-            self._closed = True
-            for h in self._hooks:
-                h.remove()
-            self.recorder.emit(ev.RunFinished("crashed", self.global_steps, time.time()))
-            self.recorder.close()
-            self._close_stores()
+        if exc_type is not None and not self._closed:
+            self._close_quietly("crashed")  # the error in flight is the one to report
         self.close()
 
     def __del__(self):  # pragma: no cover - best effort at interpreter exit
@@ -713,8 +1020,8 @@ class Engine:
             pass
 
     # ------------------------------------------------------------------ events
-    def _emit_fetch(self, st: ShardState, phase: str, tier: str, nbytes: int, seconds: float) -> None:
-        self.recorder.emit(ev.ShardFetched(self.global_steps, self.micro_steps, st.name, phase, tier, nbytes, seconds, seconds))
+    def _emit_fetch(self, st: ShardState, phase: str, tier: str, nbytes: int, fetch_s: float, stall_s: float) -> None:
+        self.recorder.emit(ev.ShardFetched(self.global_steps, self.micro_steps, st.name, phase, tier, nbytes, fetch_s, stall_s))
 
     def _emit_run_started(self) -> None:
         infos = []
@@ -775,3 +1082,69 @@ class _StepTimer:
             "stall_s": self.stall_s,
             "loss": sum(losses) / len(losses) if losses else None,
         }
+
+
+@dataclass
+class Overlap:
+    """DRAM granted to overlapping I/O with compute (see :meth:`Engine._size_overlap`)."""
+
+    write_bytes: int
+    """Bytes of NVMe writes that may be in flight behind compute (0: writes are synchronous)."""
+    read_ahead_bytes: int
+    """One optimizer group read ahead of its update (0: ``pipeline_read`` off)."""
+    eager_bytes: int
+    """Groups held by updates running during backward."""
+    prefetch_bytes: int
+    """The parameter prefetch window (0: prefetch off)."""
+    eager: bool
+    """Whether shards are updated during backward (clipping off, ``zinf.overlap_optimizer``)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.write_bytes + self.read_ahead_bytes + self.eager_bytes + self.prefetch_bytes
+
+
+class _WriteWindow:
+    """Asynchronous writes in flight, at most ``cap_bytes`` of them: :meth:`reserve` waits for
+    room. The first error of any of them is raised by the next reserve or :meth:`wait_all`."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.in_flight_bytes = 0
+        self._futures: set[Future] = set()
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def reserve(self, nbytes: int) -> None:
+        with self._cond:
+            # one write larger than the window still goes, alone
+            self._cond.wait_for(lambda: self.in_flight_bytes == 0 or self.in_flight_bytes + nbytes <= self.cap_bytes
+                                or self._error is not None)
+            self._raise()
+            self.in_flight_bytes += nbytes
+
+    def track(self, future: Future, nbytes: int, on_done=None) -> None:
+        with self._cond:
+            self._futures.add(future)
+
+        def done(f: Future) -> None:
+            if on_done is not None:
+                on_done()
+            with self._cond:
+                self._futures.discard(f)
+                self.in_flight_bytes -= nbytes
+                if f.exception() is not None and self._error is None:
+                    self._error = f.exception()
+                self._cond.notify_all()
+
+        future.add_done_callback(done)
+
+    def wait_all(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._futures)
+            self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

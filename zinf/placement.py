@@ -70,10 +70,13 @@ class DramNeed:
     optim_homes_bytes: int  # fp32 master + moments + gradient accumulators kept in DRAM
     working_bytes: int  # params materialised at once, gradient and optimizer buffers in flight
     staging_bytes: int  # aligned staging buffers of the NVMe store
+    overlap_bytes: int = 0  # prefetch window, optimizer read-ahead and writes in flight (sized
+    # from what the budget leaves after the rest; 0 turns the overlap off, never the training)
 
     @property
     def total_bytes(self) -> int:
-        return self.param_homes_bytes + self.optim_homes_bytes + self.working_bytes + self.staging_bytes
+        return (self.param_homes_bytes + self.optim_homes_bytes + self.working_bytes
+                + self.staging_bytes + self.overlap_bytes)
 
     @property
     def minimum_bytes(self) -> int:

@@ -4,7 +4,7 @@ See :mod:`zinf.storage.shardfile` for the on-disk format and :mod:`zinf.storage.
 layout of a run's swap directory.
 """
 
-from zinf.storage.aligned import ALIGN, StagingPool, aligned_empty, is_aligned, round_down, round_up
+from zinf.storage.aligned import ALIGN, BufferPool, StagingPool, aligned_empty, is_aligned, round_down, round_up
 from zinf.storage.fsinfo import FsInfo, filesystem_of, o_direct_supported, probe_o_direct
 from zinf.storage.io import (
     IoBackend,
@@ -36,6 +36,7 @@ __all__ = [
     "ShardHeader",
     "ShortTransferError",
     "StagingPool",
+    "BufferPool",
     "ThreadPoolBackend",
     "aligned_empty",
     "copy_tensor_file",

@@ -119,3 +119,49 @@ class StagingPool:
             yield buf
         finally:
             self.release(buf)
+
+
+class BufferPool:
+    """Aligned buffers of any size, recycled by size: a freed buffer serves the next request of
+    the same rounded size, so the steady state allocates nothing.
+
+    Shards come in few distinct sizes (every layer of a transformer has the same ones), so reuse
+    is high. Recycling matters for speed: a fresh allocation of a large buffer is fresh pages,
+    and the kernel faults every one of them in during the first O_DIRECT read into it. At most
+    ``max_free_bytes`` of free buffers are kept; the rest go back to the allocator.
+    """
+
+    def __init__(self, max_free_bytes: int, pin: bool = False) -> None:
+        self.max_free_bytes = max_free_bytes
+        self.pin = pin
+        self.free_bytes = 0
+        self.in_use_bytes = 0  # handed out by get() and not yet put back
+        self.allocated = 0  # buffers created since the pool was made (for tests and stats)
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 aligned buffer of ``round_up(nbytes)`` bytes (contents undefined)."""
+        size = round_up(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            self.in_use_bytes += size
+            if free:
+                self.free_bytes -= size
+                return free.pop()
+            self.allocated += 1
+        return aligned_empty(size, pin=self.pin)
+
+    def put(self, buf: torch.Tensor) -> None:
+        """Give back a buffer from :meth:`get` (it must no longer be used)."""
+        size = buf.numel()
+        with self._lock:
+            self.in_use_bytes -= size
+            if self.free_bytes + size <= self.max_free_bytes:
+                self._free.setdefault(size, []).append(buf)
+                self.free_bytes += size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.free_bytes = 0

@@ -38,6 +38,7 @@ from zinf.storage.aligned import ALIGN, StagingPool, round_up
 from zinf.storage.fsinfo import filesystem_of, probe_o_direct
 from zinf.storage.io import ThreadPoolBackend
 from zinf.storage.shardfile import (
+    HEADER_BYTES,
     copy_tensor_file,
     fsync_dir as _fsync_dir,
     needs_staging,
@@ -86,13 +87,75 @@ def _try_lock(lock_path: Path) -> int | None:
     return fd
 
 
+class SparePool:
+    """Replaced versions of swap files, kept to be overwritten by later writes of the same length.
+
+    Every write of a swap file is write-new -> fdatasync -> switch -> retire-old. Writing the new
+    version into a fresh file costs a create and an allocation, and on ext4 the first write into
+    freshly allocated blocks runs at about half the speed of overwriting written ones. So the
+    retired version is not deleted but kept here (under a hidden ``.spare-*`` name, invisible to
+    :meth:`NvmeStore.keys`) and the next write of that length overwrites it. A file linked
+    elsewhere (a checkpoint holds a hard link to it) is never kept: overwriting it would change
+    the checkpoint.
+
+    Bounded two ways: at most ``per_length`` spares of one length (writes in flight at once need
+    no more), and at most ``total_bytes`` on disk in all, which counts as swap space.
+    """
+
+    def __init__(self, run_dir: Path, total_bytes: int, per_length: int) -> None:
+        self.run_dir = run_dir
+        self.total_bytes = total_bytes
+        self.per_length = per_length
+        self.held_bytes = 0
+        self._by_length: dict[int, list[Path]] = {}
+        self._lock = threading.Lock()
+
+    def new_name(self) -> Path:
+        return self.run_dir / f".spare-{uuid.uuid4().hex}{SHARD_SUFFIX}"
+
+    def take(self, file_bytes: int) -> Path | None:
+        """A spare of exactly ``file_bytes``, now owned by the caller, or None."""
+        with self._lock:
+            spares = self._by_length.get(file_bytes)
+            if not spares:
+                return None
+            self.held_bytes -= file_bytes
+            return spares.pop()
+
+    def has_room(self, file_bytes: int) -> bool:
+        with self._lock:
+            return (
+                self.held_bytes + file_bytes <= self.total_bytes
+                and len(self._by_length.get(file_bytes, ())) < self.per_length
+            )
+
+    def give(self, path: Path) -> None:
+        """Keep ``path`` as a spare if it is linked nowhere else and there is room; else delete."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            spares = self._by_length.setdefault(st.st_size, [])
+            if (
+                st.st_nlink == 1
+                and self.held_bytes + st.st_size <= self.total_bytes
+                and len(spares) < self.per_length
+            ):
+                spares.append(path)
+                self.held_bytes += st.st_size
+                return
+        path.unlink(missing_ok=True)
+
+
 class NvmeStore:
     """Swap files of one training run under ``root``.
 
     ``block_size``, ``queue_depth`` and ``thread_count`` configure the I/O backend;
     ``staging_bytes`` x ``staging_count`` aligned buffers (pinned with ``pin_memory`` where CUDA
     exists) stage tensors whose memory ``O_DIRECT`` cannot use directly; their size is
-    :attr:`staging_bytes_total`, to count against the DRAM budget. ``listener(op, key, nbytes,
+    :attr:`staging_bytes_total`, to count against the DRAM budget. Up to ``spare_bytes`` of disk
+    hold retired versions of files for reuse (:class:`SparePool`). ``listener(op, key, nbytes,
     seconds)`` is called after each whole-file read or write ("read"/"write", payload bytes).
 
     Reads and writes of different keys may run concurrently from any threads. Use as a context
@@ -110,6 +173,7 @@ class NvmeStore:
         pin_memory: bool = False,
         staging_bytes: int = 8 << 20,
         staging_count: int = 4,
+        spare_bytes: int = 256 << 20,
         listener: Listener | None = None,
     ) -> None:
         if run_name is not None and (not run_name or "/" in run_name or run_name in (".", "..")):
@@ -124,6 +188,8 @@ class NvmeStore:
         self._counter_lock = threading.Lock()
         self._index: dict[str, int] = {}  # key -> payload bytes, for keys this store wrote
         self._index_lock = threading.Lock()
+        self._pending: dict[str, Future] = {}  # key -> its newest asynchronous write in flight
+        self._pending_lock = threading.Lock()
         self._closed = False
         self._lock_fd: int | None = None
         self._run_dir_created = False
@@ -150,6 +216,8 @@ class NvmeStore:
         self._requests = ThreadPoolExecutor(
             max_workers=max(2, thread_count), thread_name_prefix="zinf-nvme"
         )
+        # Writes in flight at once: the request threads plus the caller's own thread.
+        self._spares = SparePool(self.run_dir, spare_bytes, per_length=max(2, thread_count) + 1)
 
     # ----------------------------------------------------------------------------------------
     # Opening
@@ -303,6 +371,9 @@ class NvmeStore:
         return self.run_dir / _file_name_of(key)
 
     def exists(self, key: str) -> bool:
+        with self._pending_lock:
+            if key in self._pending:
+                return True  # its write is in flight
         return self.path(key).is_file()
 
     def keys(self) -> list[str]:
@@ -321,10 +392,15 @@ class NvmeStore:
     def delete(self, key: str) -> None:
         """Remove ``key``'s file; removing a key that does not exist is not an error."""
         self._check_open()
+        self._wait_pending(key)
+        path = self.path(key)
+        spare = self._spares.new_name()
         try:
-            self.path(key).unlink()
+            os.rename(path, spare)  # retire it: the pool keeps it for reuse or deletes it
         except FileNotFoundError:
             pass
+        else:
+            self._spares.give(spare)
         with self._index_lock:
             self._index.pop(key, None)
 
@@ -335,17 +411,33 @@ class NvmeStore:
         """Write ``tensor`` under ``key``, replacing any previous version crash-safely.
         Returns the bytes of the file written (header and padding included)."""
         self._check_open()
+        self._wait_pending(key)
+        return self._write_now(key, tensor)
+
+    def _write_now(self, key: str, tensor: torch.Tensor) -> int:
         start_s = time.perf_counter()
         path = self.path(key)
         kwargs = dict(backend=self._backend, o_direct=self.o_direct, key=key)
         padded_bytes = round_up(tensor.numel() * tensor.element_size())
+        # Overwrite a retired file of the same length if one is spare; retire the old version.
+        kwargs["reuse"] = spare = self._spares.take(HEADER_BYTES + padded_bytes)
+        kwargs["keep_old_at"] = keep_old_at = self._spares.new_name()
         # A non-contiguous tensor is copied whole, so staging only helps when it fits.
         fits = tensor.is_contiguous() or padded_bytes <= self._staging.buffer_bytes
-        if needs_staging(tensor, o_direct=self.o_direct) and fits:
-            with self._staging.buffer() as staging:
-                file_bytes = write_tensor_file(path, tensor, staging=staging, **kwargs)
-        else:
+        try:
+            if needs_staging(tensor, o_direct=self.o_direct) and fits:
+                with self._staging.buffer() as staging:
+                    file_bytes = write_tensor_file(path, tensor, staging=staging, **kwargs)
+            else:
+                file_bytes = write_tensor_file(path, tensor, **kwargs)
+        except ValueError:
+            if spare is None:
+                raise
+            # the spare was not what it should be: forget it and write a fresh file
+            spare.unlink(missing_ok=True)
+            kwargs["reuse"] = None
             file_bytes = write_tensor_file(path, tensor, **kwargs)
+        self._spares.give(keep_old_at)
         nbytes = tensor.numel() * tensor.element_size()
         with self._index_lock:
             self._index[key] = nbytes
@@ -357,6 +449,7 @@ class NvmeStore:
         verifying its checksum. Raises ``StorageError`` for a missing key and
         ``CorruptShardError`` for a damaged file."""
         self._check_open()
+        self._wait_pending(key)
         start_s = time.perf_counter()
         kwargs = dict(backend=self._backend, o_direct=self.o_direct, out=out, key=key)
         if out is not None and needs_staging(out, o_direct=self.o_direct) and out.is_contiguous():
@@ -369,15 +462,52 @@ class NvmeStore:
 
     def read_async(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]:
         """:meth:`read` on a background thread; ``out`` must not be used until the future is
-        done."""
+        done. A read of a key whose asynchronous write is still in flight waits for it."""
         self._check_open()
         return self._requests.submit(self.read, key, out)
 
     def write_async(self, key: str, tensor: torch.Tensor) -> Future[int]:
         """:meth:`write` on a background thread. The tensor is written from its own memory, so
-        it must not be modified (nor its memory reused) until the future completes."""
+        it must not be modified (nor its memory reused) until the future completes.
+
+        Operations on one key keep the order they were asked in: a later read, write, delete or
+        link of ``key`` first waits for this write (and raises its error, if it failed)."""
         self._check_open()
-        return self._requests.submit(self.write, key, tensor)
+        with self._pending_lock:
+            before = self._pending.get(key)
+            future = self._requests.submit(self._write_after, key, tensor, before)
+            self._pending[key] = future
+        future.add_done_callback(lambda f, key=key: self._write_done(key, f))
+        return future
+
+    def _write_after(self, key: str, tensor: torch.Tensor, before: Future | None) -> int:
+        if before is not None:
+            before.result()
+        return self._write_now(key, tensor)
+
+    def _write_done(self, key: str, future: Future) -> None:
+        with self._pending_lock:
+            if self._pending.get(key) is future:
+                del self._pending[key]
+
+    def _wait_pending(self, key: str) -> None:
+        """Wait for the asynchronous write of ``key`` in flight, if any."""
+        with self._pending_lock:
+            future = self._pending.get(key)
+        if future is not None:
+            future.result()
+
+    def flush(self) -> None:
+        """Wait for every asynchronous write asked for so far; raises the first error."""
+        with self._pending_lock:
+            futures = list(self._pending.values())
+        for f in futures:
+            f.result()
+
+    @property
+    def writes_in_flight(self) -> int:
+        with self._pending_lock:
+            return len(self._pending)
 
     def link_to(self, key: str, dest: str | os.PathLike, *, fsync_dir: bool = False) -> Path:
         """Make ``dest`` a copy of ``key``'s file (e.g. into a checkpoint), replacing ``dest``.
@@ -387,6 +517,7 @@ class NvmeStore:
         Across filesystems (EXDEV) or where links are refused, a checksummed copy.
         """
         self._check_open()
+        self._wait_pending(key)
         src, dest = self.path(key), Path(dest)
         if not src.is_file():
             raise StorageError(f"cannot link key {key!r}: it has no file in {self.run_dir}")

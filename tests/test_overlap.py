@@ -1,0 +1,116 @@
+"""Prefetch, the pipelined optimizer and updates during backward: still exact, and really used.
+
+The equivalence suite (test_equivalence.py) runs with the defaults, where all of it is on. Here:
+the same training with all of it off must match too; each mechanism must actually engage (a
+test that passes with the mechanism silently off would prove nothing); and divergent routing
+must neither deadlock nor overflow the prefetch window.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zinf
+from zinf.events import IoDone, ListRecorder
+
+from conftest import placement_config
+from test_equivalence import MODELS, OPT, train_plain, train_zinf
+
+TOL = 1e-6
+
+
+def _sync(config: dict) -> dict:
+    """``config`` with prefetch, the optimizer pipeline and updates during backward off."""
+    config = copy.deepcopy(config)
+    zero = config["zero_optimization"]
+    zero["stage3_prefetch_bucket_size"] = 0
+    zero["offload_optimizer"].update(pipeline_read=False, pipeline_write=False)
+    config["zinf"]["overlap_optimizer"] = False
+    return config
+
+
+@pytest.mark.parametrize("case", ["gpt_accum4_clip", "moe_idle"])
+def test_everything_synchronous_still_matches_pytorch(case, tmp_path):
+    make, gas, clip = MODELS[case]
+    model, data = make()
+    ref_losses, ref_params = train_plain(copy.deepcopy(model), data, gas, clip)
+    losses, params, _ = train_zinf(model, data, gas, clip, _sync(placement_config("nvme", tmp_path, model)))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    for name, ref_p in ref_params.items():
+        assert (params[name] - ref_p).abs().max().item() <= TOL, name
+
+
+def _train(model, data, config, steps=4, recorder=None):
+    config = dict(config, optimizer=OPT)
+    engine = zinf.initialize(model, config, recorder=recorder)
+    for step in range(steps):
+        x, y = data.get(step)
+        engine.backward(engine(x, y))
+        engine.step()
+    return engine
+
+
+def test_prefetch_serves_fetches_within_its_window(tmp_path):
+    model, data = MODELS["gpt_tied"][0]()
+    with _train(model, data, placement_config("nvme", tmp_path, model)) as engine:
+        stats, window = engine._prefetcher.stats, engine.overlap.prefetch_bytes
+        assert window > 0 and engine._prefetcher.trace, "prefetch must be on by default"
+        # after the recording step, fetches come from prefetches, not from synchronous reads
+        assert stats.hits > 0 and stats.hits >= 3 * stats.misses, stats
+        assert 0 < stats.max_window_bytes <= window, (stats, window)
+
+
+def test_divergent_moe_routing_neither_deadlocks_nor_overflows(tmp_path):
+    """Learned routing sends tokens to different experts every step, so the trace of step 1 is
+    wrong later: prefetches get dropped, reads happen on the spot, training still matches."""
+    torch.manual_seed(0)
+    from zinf.models import build_model
+    from zinf.models.data import TokenBatches, markov_tokens
+
+    model, cfg = build_model("moe", "tiny")  # learned router: expert choice changes with training
+    data = TokenBatches(markov_tokens(cfg.vocab_size, 20_000, seed=4), 4, cfg.block_size, seed=4)
+    ref_losses, ref_params = train_plain(copy.deepcopy(model), data, 1, 0.0)
+    config = placement_config("nvme", tmp_path, model)
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 20_000  # a small window: it must fill
+    losses, params, _ = train_zinf(model, data, 1, 0.0, config)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    for name, ref_p in ref_params.items():
+        assert (params[name] - ref_p).abs().max().item() <= TOL, name
+
+    model2, _ = build_model("moe", "tiny")
+    with _train(model2, data, config, steps=6) as engine:
+        stats = engine._prefetcher.stats
+        assert stats.max_window_bytes <= engine.overlap.prefetch_bytes
+        assert stats.issued > 0 and stats.hits > 0
+        assert stats.dropped + stats.misses > 0, f"routing never diverged from the trace: {stats}"
+
+
+def test_updates_during_backward_skip_the_gradient_files(tmp_path):
+    """With clipping off, NVMe shards are updated as their gradients arrive: no gradient file is
+    written. With the feature off, every NVMe shard's gradient goes to its file and back."""
+    model, data = MODELS["gpt_tied"][0]()
+    on, off = ListRecorder(), ListRecorder()
+    config = placement_config("nvme", tmp_path, model)
+    with _train(copy.deepcopy(model), data, config, recorder=on) as engine:
+        assert engine.overlap.eager
+    config["zinf"]["overlap_optimizer"] = False
+    with _train(copy.deepcopy(model), data, config, recorder=off) as engine:
+        assert not engine.overlap.eager
+    grad_writes = lambda rec: sum(1 for e in rec.of(IoDone) if e.op == "write" and e.what == "grad")
+    assert grad_writes(on) == 0
+    assert grad_writes(off) > 0
+
+
+def test_a_tight_budget_turns_overlap_off_not_training(tmp_path):
+    model, data = MODELS["gpt_tied"][0]()
+    config = placement_config("nvme", tmp_path, model)
+    with zinf.initialize(copy.deepcopy(model), dict(config, optimizer=OPT)) as engine:
+        minimum = engine.dram_need.total_bytes - engine.dram_need.overlap_bytes
+    config["zinf"]["dram_budget"] = minimum
+    with _train(copy.deepcopy(model), data, config) as engine:
+        assert engine.overlap.total_bytes == 0
+        assert engine.dram_need.total_bytes <= minimum
+        assert engine.global_steps == 4

@@ -1,0 +1,223 @@
+"""Trace-driven prefetch: read parameter shards from NVMe before the module that needs them runs.
+
+The first micro-batch records the *trace*: the order in which shards had to be fetched (forward,
+then backward, recompute included). Every later fetch finds its place in the trace and asks for
+the reads of the shards that come next, as far ahead as the byte window allows
+(``stage3_prefetch_bucket_size``, capped by the param buffers and the DRAM budget). So while a
+module computes, the shards of the next ones are already in flight.
+
+Conditional compute (MoE routing, branches) makes the order diverge from the trace. That is
+safe by construction:
+
+* a shard that is needed but was not prefetched is read on the spot (a stall, recorded);
+* a prefetched shard that the run skipped past is dropped: its read finishes into its buffer,
+  which goes back to the pool, and its bytes leave the window, so the window never overflows;
+* nothing ever waits for a read that was not asked for, so nothing can deadlock.
+
+A shard released while the trace says it is needed again soon (within
+``stage3_max_reuse_distance`` elements of other fetches, DeepSpeed's knob of that name) is kept
+materialised instead of freed and read again; kept shards share the window with the reads in
+flight. That matters for chunks of small parameters, which many modules use one after another,
+and for the last layers, whose backward follows their forward at once.
+
+A pass never looks past its own end: the next pass may start after an optimizer step that
+rewrites the parameters, and a read issued before that write would return the old values. The
+engine starts the next pass (:meth:`Prefetcher.begin_pass`) when its data is final.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+
+@dataclass
+class InFlight:
+    """One prefetch read: its future, the trace position it was asked for, its bytes."""
+
+    future: Future
+    position: int
+    nbytes: int
+    issued_at_s: float
+    done_at_s: list[float] = field(default_factory=list)  # set by a callback when it lands
+
+
+@dataclass
+class PrefetchStats:
+    """Counters since the engine started (also exposed to the profiler through events)."""
+
+    issued: int = 0
+    """Reads asked for ahead of need."""
+    hits: int = 0
+    """Fetches served by a prefetch (whether or not it had landed yet)."""
+    misses: int = 0
+    """Fetches of a shard nobody had prefetched (a divergence from the trace, or no window)."""
+    dropped: int = 0
+    """Prefetches the run skipped past (order diverged); their buffers went back to the pool."""
+    kept: int = 0
+    """Releases that kept the shard materialised because it was needed again soon."""
+    max_window_bytes: int = 0
+    """The most bytes in flight and kept at once (never above the window)."""
+
+
+class Prefetcher:
+    """Keeps reads in flight along the recorded trace, within ``window_bytes``.
+
+    The engine supplies three callbacks: ``start_read(shard)`` starts the asynchronous read of a
+    shard's parameters and returns its future; ``nbytes_of(shard)`` is the bytes it moves;
+    ``discard(future)`` takes back the buffer of a read that will not be used. Shards are opaque
+    hashable handles (the engine passes its shard indices).
+    """
+
+    def __init__(
+        self,
+        start_read: Callable[[int], Future],
+        nbytes_of: Callable[[int], int],
+        discard: Callable[[Future], None],
+        window_bytes: int,
+        reuse_distance_bytes: int = 0,
+    ) -> None:
+        self.start_read = start_read
+        self.nbytes_of = nbytes_of
+        self.discard = discard
+        self.window_bytes = window_bytes
+        self.reuse_distance_bytes = reuse_distance_bytes
+        self.recording = True
+        self.trace: list[int] = []
+        self._positions: dict[int, list[int]] = {}  # shard -> sorted positions in the trace
+        self._bytes_before: list[int] = [0]  # bytes of the trace entries before each position
+        self.pos = 0  # the trace position of the next expected fetch
+        self.in_flight: dict[int, InFlight] = {}
+        self.in_flight_bytes = 0
+        self.kept: dict[int, int] = {}  # shard -> bytes, kept materialised after its release
+        self.kept_bytes = 0
+        self.stats = PrefetchStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.window_bytes > 0
+
+    # ------------------------------------------------------------------ trace
+    def end_recording(self) -> None:
+        """Stop recording (after the first micro-batch); the trace is used from now on."""
+        if not self.recording:
+            return
+        self.recording = False
+        for i, shard in enumerate(self.trace):
+            self._positions.setdefault(shard, []).append(i)
+            self._bytes_before.append(self._bytes_before[-1] + self.nbytes_of(shard))
+
+    def _locate(self, shard: int) -> None:
+        """Move ``pos`` past the next occurrence of ``shard`` at or after it (if any)."""
+        positions = self._positions.get(shard)
+        if not positions:
+            return  # never seen in the trace: keep going from where we were
+        k = bisect.bisect_left(positions, self.pos)
+        if k < len(positions):
+            self.pos = positions[k] + 1
+        # else: it appears only earlier in the trace (a repeat); keep the position
+
+    # ------------------------------------------------------------------ fetches
+    def begin_pass(self) -> None:
+        """A new pass (micro-batch) starts at the top of the trace; data is final from here."""
+        self.cancel()
+        self.pos = 0
+        self._issue()
+
+    def take(self, shard: int) -> InFlight | None:
+        """``shard`` is needed now: its prefetch (to wait on) or None (read it yourself). Also
+        advances along the trace and keeps the window full."""
+        if self.recording:
+            self.trace.append(shard)
+            return None
+        entry = self.in_flight.pop(shard, None)
+        if entry is not None:
+            self.in_flight_bytes -= entry.nbytes
+            self.stats.hits += 1
+        elif self.enabled:
+            self.stats.misses += 1
+        self._locate(shard)
+        self._drop_passed()
+        self._issue()
+        return entry
+
+    def keep(self, shard: int) -> bool:
+        """``shard`` is being released: whether to keep it materialised, because the trace needs
+        it again within the reuse distance and the window has room (then it counts in it)."""
+        if self.recording or not self.enabled or self.reuse_distance_bytes <= 0:
+            return False
+        positions = self._positions.get(shard, ())
+        k = bisect.bisect_left(positions, self.pos)
+        if k == len(positions):
+            return False  # not needed again in this pass
+        distance = self._bytes_before[positions[k]] - self._bytes_before[self.pos]
+        nbytes = self.nbytes_of(shard)
+        if distance > self.reuse_distance_bytes or nbytes > self.window_bytes:
+            return False
+        if self._window_used() + nbytes > self.window_bytes:
+            return False
+        self.kept[shard] = nbytes
+        self.kept_bytes += nbytes
+        self.stats.kept += 1
+        self._note_window()
+        return True
+
+    def reuse(self, shard: int) -> None:
+        """A kept shard is acquired again: it leaves the window; move along the trace."""
+        self.kept_bytes -= self.kept.pop(shard)
+        self._locate(shard)
+        self._drop_passed()
+        self._issue()
+
+    def pop_kept(self) -> list[int]:
+        """Forget every kept shard (the caller frees them): at the end of a pass, and before
+        the parameters change."""
+        shards = list(self.kept)
+        self.kept.clear()
+        self.kept_bytes = 0
+        return shards
+
+    def _window_used(self) -> int:
+        return self.in_flight_bytes + self.kept_bytes
+
+    def _note_window(self) -> None:
+        self.stats.max_window_bytes = max(self.stats.max_window_bytes, self._window_used())
+
+    def cancel(self) -> None:
+        """Drop every prefetch in flight (e.g. before an optimizer step rewrites the shards)."""
+        for entry in self.in_flight.values():
+            self.discard(entry.future)
+            self.stats.dropped += 1
+        self.in_flight.clear()
+        self.in_flight_bytes = 0
+
+    def _drop_passed(self) -> None:
+        passed = [s for s, e in self.in_flight.items() if e.position < self.pos - 1]
+        for shard in passed:
+            entry = self.in_flight.pop(shard)
+            self.in_flight_bytes -= entry.nbytes
+            self.discard(entry.future)
+            self.stats.dropped += 1
+
+    def _issue(self) -> None:
+        if self.recording or not self.enabled:
+            return
+        ahead_bytes = 0  # bytes of the trace ahead of pos covered so far, in flight or not
+        for j in range(self.pos, len(self.trace)):
+            shard = self.trace[j]
+            nbytes = self.nbytes_of(shard)
+            if shard in self.in_flight or shard in self.kept:
+                ahead_bytes += nbytes
+                continue
+            if self._window_used() + nbytes > self.window_bytes or ahead_bytes + nbytes > 2 * self.window_bytes:
+                return
+            entry = InFlight(self.start_read(shard), j, nbytes, time.perf_counter())
+            entry.future.add_done_callback(lambda f, e=entry: e.done_at_s.append(time.perf_counter()))
+            self.in_flight[shard] = entry
+            self.in_flight_bytes += nbytes
+            ahead_bytes += nbytes
+            self.stats.issued += 1
+            self._note_window()
