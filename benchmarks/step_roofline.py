@@ -6,8 +6,8 @@ One command::
 
 measures, interleaved in one run (round after round, so that a noisy neighbour hits all alike):
 
-* ``zinf``: the built-in GPT with params and optimizer state all on NVMe under a DRAM budget of a
-  quarter of its state, prefetch and pipelining on (the defaults);
+* ``zinf``: the built-in GPT with params and optimizer state all on NVMe under a DRAM budget of
+  ``--dram-fraction`` of its state (default half; it pays for the overlap buffers), prefetch and pipelining on (the defaults);
 * ``zinf-sync``: the same with prefetch off (``stage3_prefetch_bucket_size: 0``), the optimizer
   pipeline off (``pipeline_read/pipeline_write: false``) and no updates during backward;
 * ``compute``: the same model, batch and data in plain PyTorch with everything in DRAM
@@ -76,7 +76,7 @@ def make_model(preset: str):
     return build_model("gpt", preset)
 
 
-def zinf_config(model, swap: Path, batch: int, overlap: bool) -> dict:
+def zinf_config(model, swap: Path, batch: int, overlap: bool, dram_fraction: float) -> dict:
     n = sum(p.numel() for p in model.parameters())
     cfg = {
         "train_micro_batch_size_per_gpu": batch,
@@ -89,7 +89,8 @@ def zinf_config(model, swap: Path, batch: int, overlap: bool) -> dict:
             "stage3_prefetch_bucket_size": n // 4,
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2},
-        "zinf": {"dram_budget": 20 * n // 4},
+        # state = fp32 param + grad + master + exp_avg + exp_avg_sq = 20 bytes per parameter
+        "zinf": {"dram_budget": int(dram_fraction * 20 * n)},
     }
     if not overlap:
         cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
@@ -98,10 +99,10 @@ def zinf_config(model, swap: Path, batch: int, overlap: bool) -> dict:
     return cfg
 
 
-def run_zinf(model, data, swap: Path, batch: int, steps: int, overlap: bool) -> dict:
+def run_zinf(model, data, swap: Path, batch: int, steps: int, overlap: bool, dram_fraction: float) -> dict:
     """Median step seconds (after two warm-up steps) and NVMe bytes per step."""
     times, read_b, written_b = [], [], []
-    with zinf.initialize(copy.deepcopy(model), zinf_config(model, swap, batch, overlap)) as engine:
+    with zinf.initialize(copy.deepcopy(model), zinf_config(model, swap, batch, overlap, dram_fraction)) as engine:
         for step in range(steps):
             before_r, before_w = engine.traffic_total.read["nvme"], engine.traffic_total.written["nvme"]
             t0 = time.perf_counter()
@@ -113,9 +114,11 @@ def run_zinf(model, data, swap: Path, batch: int, steps: int, overlap: bool) -> 
                 times.append(dt)
                 read_b.append(engine.traffic_total.read["nvme"] - before_r)
                 written_b.append(engine.traffic_total.written["nvme"] - before_w)
-        overlap_bytes = engine.overlap.total_bytes
+        ov = engine.overlap
     return {"step_s": statistics.median(times), "read_bytes": statistics.median(read_b),
-            "written_bytes": statistics.median(written_b), "overlap_bytes": overlap_bytes}
+            "written_bytes": statistics.median(written_b), "overlap_bytes": ov.total_bytes,
+            "overlap_on": [k for k, on in (("prefetch", ov.prefetch_bytes), ("read-ahead", ov.read_ahead_bytes),
+                                            ("write-behind", ov.write_bytes), ("in-backward", ov.eager)) if on]}
 
 
 def run_plain(model, data, steps: int) -> float:
@@ -140,6 +143,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="sequences per step (small: NVMe-bound)")
     ap.add_argument("--steps", type=int, default=8, help="steps per measurement (the first two are warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--dram-fraction", type=float, default=0.5,
+                    help="zinf.dram_budget as a fraction of the training state (all state stays on NVMe; "
+                         "the budget pays for prefetch and pipeline buffers)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -148,8 +154,8 @@ def main() -> None:
     swap = args.path / "swap"
     rows: dict[str, list] = {"zinf": [], "zinf-sync": [], "compute_s": [], "raw_read_GBps": [], "raw_write_GBps": []}
     for r in range(args.rounds):
-        rows["zinf"].append(run_zinf(model, data, swap, args.batch, args.steps, overlap=True))
-        rows["zinf-sync"].append(run_zinf(model, data, swap, args.batch, args.steps, overlap=False))
+        rows["zinf"].append(run_zinf(model, data, swap, args.batch, args.steps, overlap=True, dram_fraction=args.dram_fraction))
+        rows["zinf-sync"].append(run_zinf(model, data, swap, args.batch, args.steps, overlap=False, dram_fraction=args.dram_fraction))
         rows["compute_s"].append(run_plain(model, data, args.steps))
         rd, wr = raw_o_direct_GBps(args.path)
         rows["raw_read_GBps"].append(rd)
@@ -166,7 +172,7 @@ def main() -> None:
     fs = filesystem_of(args.path)
     print(f"\n{time.strftime('%Y-%m-%d')} on {platform.node()} ({os.cpu_count()} cores), {fs.fstype} at {args.path}")
     print(f"GPT '{args.preset}' {n / 1e6:.1f} M params, batch {args.batch} x {mcfg.block_size}, all state on NVMe, "
-          f"DRAM budget {20 * n / 4 / 2**20:.0f} MiB; raw O_DIRECT read {read_Bps / 1e9:.2f} GB/s, write {write_Bps / 1e9:.2f} GB/s; "
+          f"DRAM budget {args.dram_fraction * 20 * n / 2**20:.0f} MiB ({args.dram_fraction:.0%} of the state); raw O_DIRECT read {read_Bps / 1e9:.2f} GB/s, write {write_Bps / 1e9:.2f} GB/s; "
           f"compute (plain PyTorch in DRAM) {compute_s:.3f} s")
     result = {"compute_s": compute_s, "raw_read_GBps": read_Bps / 1e9, "raw_write_GBps": write_Bps / 1e9}
     print(f"{'variant':<10} {'step_s':>8} {'read_MB':>8} {'write_MB':>9} {'nvme_s':>7} {'roofline_s':>10} {'step/roofline':>14}")
@@ -177,7 +183,8 @@ def main() -> None:
         nvme_s = rb / read_Bps + wb / write_Bps
         roof = max(compute_s, nvme_s)
         result[name] = {"step_s": step_s, "read_bytes": rb, "written_bytes": wb, "nvme_s": nvme_s, "roofline_s": roof, "ratio": step_s / roof}
-        print(f"{name:<10} {step_s:8.3f} {rb / 1e6:8.0f} {wb / 1e6:9.0f} {nvme_s:7.3f} {roof:10.3f} {step_s / roof:14.2f}")
+        on = ", ".join(rows[name][0]["overlap_on"]) or "none"
+        print(f"{name:<10} {step_s:8.3f} {rb / 1e6:8.0f} {wb / 1e6:9.0f} {nvme_s:7.3f} {roof:10.3f} {step_s / roof:14.2f}   overlap: {on}")
     print(f"prefetch + pipelining buy {result['zinf-sync']['step_s'] / result['zinf']['step_s']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"rounds": rows, "summary": result}, indent=1))

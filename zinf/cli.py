@@ -43,6 +43,76 @@ def db_upgrade(db: Annotated[str, typer.Option(help="SQLAlchemy URL of the profi
     console.print(f"{db} is at schema revision {current_revision(db)}")
 
 
+@app.command("bench-io")
+def bench_io(
+    path: Annotated[Path, typer.Option(help="directory on the disk to measure (your nvme_path); it must exist")],
+    db: Annotated[str, typer.Option(help="SQLAlchemy URL of the profile database for the results")] = "sqlite:///zinf-profile.db",
+    no_db: Annotated[bool, typer.Option("--no-db", help="do not write the results to the profile database")] = False,
+    sizes: Annotated[str | None, typer.Option(help="shard file sizes, e.g. 1MiB,4MiB,8MiB (default 1,4,8,32 MiB)")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="a tiny sweep (4 settings, 16 MiB a point), for tests")] = False,
+    baseline: Annotated[str | None, typer.Option(help="raw baseline tool: fio, dd or python (default: the first available)")] = None,
+) -> None:
+    """Sweep aio block size x queue depth x thread count through zinf's NVMe store, beside a raw
+    baseline; print GB/s per setting, recommend an "aio" section, and store the results."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from zinf import bench_io as bench
+    from zinf.errors import ConfigError
+
+    if baseline is not None and baseline not in ("fio", "dd", "python"):
+        raise ConfigError(f"--baseline {baseline!r} is not one of fio, dd, python")
+    size_list = bench.parse_sizes(sizes) if sizes else (bench.QUICK_SIZES_BYTES if quick else bench.DEFAULT_SIZES_BYTES)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("bench-io", total=None)
+        report = bench.run_bench(
+            path, sizes_bytes=size_list, settings=bench.default_grid(quick),
+            bytes_per_op=bench.QUICK_BYTES_PER_OP if quick else bench.DEFAULT_BYTES_PER_OP, baseline=baseline,
+            progress=lambda done, total, label: bar.update(task, completed=done, total=total, description=label),
+            warn=lambda msg: err_console.print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True),
+        )
+    console.print(bench.results_table(report))
+    for line in bench.summary_lines(report):
+        console.print(line, highlight=False, soft_wrap=True)
+    console.print("recommended (DeepSpeed / zinf config):")
+    console.print(report.aio_snippet(), highlight=False, markup=False)
+    if not no_db:
+        from profiler.calibrations import save_calibrations
+        from profiler.store import describe_url
+
+        n_rows = save_calibrations(db, report.calibration_rows())
+        console.print(f"wrote {n_rows} rows to the calibrations table of {describe_url(db)}", highlight=False)
+
+
+@app.command()
+def doctor(
+    path: Annotated[Path, typer.Option(help="the swap directory to check (your nvme_path)")],
+    config: Annotated[Path | None, typer.Option(help="a zinf / DeepSpeed JSON config: its aio settings, buffers and paths are used")] = None,
+    params: Annotated[int | None, typer.Option(help="model parameters, to compare the NVMe state size with the free space")] = None,
+    state_bytes: Annotated[str | None, typer.Option(help="bytes of state that will live on NVMe, e.g. 500GiB (instead of --params)")] = None,
+    measure: Annotated[bool, typer.Option(help="measure read/write bandwidth (about a second)")] = True,
+) -> None:
+    """Check the NVMe setup (the seed article's checklist): one line per check, PASS / WARN /
+    FAIL / SKIP with the fix. Exits 1 if any check FAILs."""
+    from rich.markup import escape
+
+    from zinf.config import load_config, parse_size
+    from zinf.doctor import Status, exit_code, run_checks
+
+    cfg = load_config(config) if config is not None else None
+    results = run_checks(path, config=cfg, params=params, measure=measure,
+                         state_bytes=parse_size(state_bytes) if state_bytes is not None else None)
+    colour = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "red", Status.SKIP: "dim"}
+    for r in results:
+        fix = f" [bold]-> fix:[/] {escape(r.fix)}" if r.fix else ""
+        console.print(f"[{colour[r.status]}]{r.status.value}[/] {escape(r.name)}: {escape(r.detail)}{fix}",
+                      highlight=False, soft_wrap=True)
+    counts = {s: sum(r.status is s for r in results) for s in Status}
+    console.print(", ".join(f"{n} {s.value}" for s, n in counts.items()), highlight=False)
+    if exit_code(results):
+        sys.exit(exit_code(results))  # SystemExit, not typer.Exit: main() runs click without standalone mode
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=False)

@@ -136,6 +136,7 @@ class BufferPool:
         self.pin = pin
         self.free_bytes = 0
         self.in_use_bytes = 0  # handed out by get() and not yet put back
+        self.peak_in_use_bytes = 0  # the most ever handed out at once (for tests and stats)
         self.allocated = 0  # buffers created since the pool was made (for tests and stats)
         self._free: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -146,6 +147,7 @@ class BufferPool:
         with self._lock:
             free = self._free.get(size)
             self.in_use_bytes += size
+            self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
             if free:
                 self.free_bytes -= size
                 return free.pop()

@@ -421,7 +421,9 @@ class NvmeStore:
         padded_bytes = round_up(tensor.numel() * tensor.element_size())
         # Overwrite a retired file of the same length if one is spare; retire the old version.
         kwargs["reuse"] = spare = self._spares.take(HEADER_BYTES + padded_bytes)
-        kwargs["keep_old_at"] = keep_old_at = self._spares.new_name()
+        # After the exchange the spare's own name holds the old version: keep it there (one
+        # rename, not two); a fresh write retires the old version under a new spare name.
+        kwargs["keep_old_at"] = keep_old_at = spare if spare is not None else self._spares.new_name()
         # A non-contiguous tensor is copied whole, so staging only helps when it fits.
         fits = tensor.is_contiguous() or padded_bytes <= self._staging.buffer_bytes
         try:
