@@ -15,6 +15,8 @@ from zinf.config import load_config
 from zinf.doctor import CheckResult, Status
 from zinf.storage.fsinfo import FsInfo, probe_o_direct
 
+from test_bench_io import ramfs_dir, shm_dir  # noqa: F401  (fixtures: real ramfs and tmpfs dirs)
+
 MiB = 1 << 20
 TiB = 1 << 40
 
@@ -170,3 +172,19 @@ def test_cli_params_use_the_config(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "PASS config:" in out
     assert "1,000,000 params x 18 bytes on NVMe" in out
+
+
+def test_o_direct_check_warns_on_a_ramfs_that_refuses_it(ramfs_dir):
+    """A real ramfs mount (no O_DIRECT): the check says so and names the fix."""
+    r = doctor.check_o_direct(ramfs_dir)
+    assert r.status is Status.WARN and "ramfs" in r.detail and r.fix
+    assert r.values == {"o_direct": False}
+    assert doctor.check_bandwidth(ramfs_dir, bytes_per_op=4 << 20).status in (Status.PASS, Status.WARN)
+    assert list(ramfs_dir.iterdir()) == []
+
+
+def test_checks_on_tmpfs_follow_the_kernel(shm_dir):
+    r = doctor.check_o_direct(shm_dir)
+    assert (r.status is Status.PASS) == probe_o_direct(shm_dir)
+    fs = doctor.check_filesystem(shm_dir)
+    assert "tmpfs" in fs.detail and fs.status is Status.WARN  # RAM, not an NVMe drive
