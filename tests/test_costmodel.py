@@ -28,15 +28,19 @@ from profiler.recorder import record_calibration
 N_STEPS = 5
 
 
-def train_profiled(workdir, steps: int = N_STEPS, **model_overrides) -> str:
+# shards from 28 KiB packed chunks up to 1 MiB weights: a size range wide enough to fit a slope
+WIDE_SIZES = {"chunk_size": "1MiB", "shard_min_bytes": "64KiB"}
+
+
+def train_profiled(workdir, steps: int = N_STEPS, shards: dict = WIDE_SIZES, **model_overrides) -> str:
     """Train the built-in GPT for ``steps`` steps with params and optimizer state on NVMe files in
-    ``workdir`` and the profiler on; returns the profile database URL."""
+    ``workdir`` (``shards``: the zinf chunk settings) and the profiler on; returns the profile
+    database URL."""
     torch.manual_seed(0)
     model, cfg = build_model("gpt", "tiny", **model_overrides)
     config = placement_config("nvme", workdir)
     url = f"sqlite:///{workdir / 'profile.db'}"
-    # shards from 28 KiB packed chunks up to 1 MiB weights: a size range wide enough to fit a slope
-    config["zinf"] = {"chunk_size": "1MiB", "shard_min_bytes": "64KiB", "profiler": {"enabled": True, "db": url}}
+    config["zinf"] = {**shards, "profiler": {"enabled": True, "db": url}}
     data = gpt_batches(cfg)
     with zinf.initialize(model, config) as engine:
         for step in range(steps):

@@ -6,12 +6,9 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 import pytest
-import torch
 
-import zinf
-from zinf.models import build_model
-
-from conftest import gpt_batches, placement_config
+from conftest import SMALL_SHARDS
+from test_costmodel import train_profiled
 from dashboard import figures
 from planner import CostModel
 from profiler import queries
@@ -22,19 +19,7 @@ N_STEPS = 5
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
     """(steps, bandwidth_over_time, io_samples) frames of a real 5-step run."""
-    work = tmp_path_factory.mktemp("figures")
-    url = f"sqlite:///{work / 'profile.db'}"
-    config = placement_config("nvme", work)
-    config["zinf"]["profiler"] = {"enabled": True, "db": url}
-    torch.manual_seed(0)
-    model, cfg = build_model("gpt", "tiny")
-    data = gpt_batches(cfg)
-    with zinf.initialize(model, config) as engine:
-        for step in range(N_STEPS):
-            x, y = data.get(step)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
+    url = train_profiled(tmp_path_factory.mktemp("figures"), N_STEPS, shards=SMALL_SHARDS)
     run_id = queries.latest_run_id(url)
     return queries.steps(url, run_id), queries.bandwidth_over_time(url, run_id), queries.io_samples(url, run_id)
 

@@ -46,32 +46,12 @@ class IoBackend(Protocol):
 
 def read_full(fd: int, buf: memoryview, offset: int) -> int:
     """Synchronously fill all of ``buf`` from ``fd`` at ``offset``, looping over short reads."""
-    done_bytes = 0
-    total_bytes = len(buf)
-    while done_bytes < total_bytes:
-        n = os.preadv(fd, [buf[done_bytes:]], offset + done_bytes)
-        if n == 0:
-            raise ShortTransferError(
-                f"end of file at offset {offset + done_bytes}: {total_bytes - done_bytes} bytes "
-                f"of a {total_bytes}-byte read are missing"
-            )
-        done_bytes += n
-    return done_bytes
+    return readv_full(fd, [buf], offset)
 
 
 def write_full(fd: int, buf: memoryview, offset: int) -> int:
     """Synchronously write all of ``buf`` to ``fd`` at ``offset``, looping over short writes."""
-    done_bytes = 0
-    total_bytes = len(buf)
-    while done_bytes < total_bytes:
-        n = os.pwritev(fd, [buf[done_bytes:]], offset + done_bytes)
-        if n == 0:
-            raise ShortTransferError(
-                f"write made no progress at offset {offset + done_bytes} "
-                f"({total_bytes - done_bytes} bytes left)"
-            )
-        done_bytes += n
-    return done_bytes
+    return writev_full(fd, [buf], offset)
 
 
 def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:

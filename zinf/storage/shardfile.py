@@ -84,6 +84,14 @@ def _corrupt(path: Path, key: str | None, why: str) -> CorruptShardError:
     )
 
 
+def _checksum_mismatch(path: Path, key: str | None, header: "ShardHeader", crc: int) -> CorruptShardError:
+    return _corrupt(
+        path,
+        key if key is not None else header.key,
+        f"checksum mismatch (header crc32 {header.crc32:#010x}, payload {crc:#010x})",
+    )
+
+
 @dataclass(frozen=True)
 class ShardHeader:
     """The header of a shard file. ``nbytes`` is the payload length without padding."""
@@ -373,12 +381,14 @@ class _Transfer:
                 raise latch.error
         return self.crcs.combine(nbytes) if self.checksum else None
 
-    def _help_while_waiting(self) -> None:
-        """Run queued pieces on this thread until none is left (ours or another transfer's)."""
+    def _help_while_waiting(self, latches: list[_Latch] | None = None) -> None:
+        """Run queued pieces (ours or another transfer's) on this thread while any of
+        ``latches`` (default: all of this transfer's) is pending and the backend has work."""
         help_ = getattr(self.backend, "help", None)
         if help_ is None:
             return
-        while any(latch.pending for latch in self._latches) and help_():
+        latches = self._latches if latches is None else latches
+        while any(latch.pending for latch in latches) and help_():
             pass
 
     def _new_latch(self) -> _Latch:
@@ -453,9 +463,7 @@ class _Transfer:
     def _finish_window(
         self, data: torch.Tensor, latch: _Latch, half: torch.Tensor, offset: int, length: int
     ) -> None:
-        help_ = getattr(self.backend, "help", None)
-        while help_ is not None and latch.pending and help_():
-            pass
+        self._help_while_waiting([latch])
         latch.wait_and_raise()
         if self.op == "read":
             data[offset : offset + length].copy_(half[:length])
@@ -510,10 +518,7 @@ def _preallocate(fd: int, length_bytes: int) -> None:
 
 
 def _write_header(fd: int, header: ShardHeader) -> None:
-    block = aligned_empty(HEADER_BYTES)
-    view = memoryview(block.numpy())
-    view[:] = header.encode()
-    write_full(fd, view, 0)
+    write_full(fd, _header_block(header), 0)
 
 
 def _check_staging(staging: torch.Tensor | None) -> None:
@@ -757,11 +762,7 @@ def read_tensor_file(
             else:
                 out_bytes = out.numel() * out.element_size()
                 if out.device.type != "cpu" or not out.is_contiguous() or out_bytes != nbytes:
-                    raise ValueError(
-                        f"out must be a contiguous CPU tensor of {nbytes} bytes to hold {path} "
-                        f"({header.dtype} of shape {list(header.shape)}); got {out_bytes} bytes "
-                        f"on {out.device}, contiguous={out.is_contiguous()}"
-                    )
+                    raise _wrong_out(path, header, out)
                 data = _bytes_of(out)
                 result = out
             transfer = _Transfer(backend, fd, "read", checksum=verify)
@@ -775,12 +776,16 @@ def read_tensor_file(
         finally:
             os.close(fd)
     if verify and crc != header.crc32:
-        raise _corrupt(
-            path,
-            key if key is not None else header.key,
-            f"checksum mismatch (header crc32 {header.crc32:#010x}, payload {crc:#010x})",
-        )
+        raise _checksum_mismatch(path, key, header, crc)
     return result
+
+
+def _wrong_out(path: Path, header: ShardHeader, out: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"out must be a contiguous CPU tensor of {header.nbytes} bytes to hold {path} "
+        f"({header.dtype} of shape {list(header.shape)}); got {out.numel() * out.element_size()} "
+        f"bytes on {out.device}, contiguous={out.is_contiguous()}"
+    )
 
 
 def _read_one_call(
@@ -805,18 +810,11 @@ def _read_one_call(
     readv_full(fd, [head, payload], 0)
     header = ShardHeader.decode(bytes(head), path, key)
     if header.nbytes != nbytes:
-        raise ValueError(
-            f"out must be a contiguous CPU tensor of {header.nbytes} bytes to hold {path} "
-            f"({header.dtype} of shape {list(header.shape)}); got {nbytes} bytes"
-        )
+        raise _wrong_out(path, header, out)
     if verify:
         crc = payload_crc32(payload)
         if crc != header.crc32:
-            raise _corrupt(
-                path,
-                key if key is not None else header.key,
-                f"checksum mismatch (header crc32 {header.crc32:#010x}, payload {crc:#010x})",
-            )
+            raise _checksum_mismatch(path, key, header, crc)
     return header
 
 
