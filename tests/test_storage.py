@@ -308,6 +308,36 @@ def test_round_trip(tmp_path, backend, tmp_o_direct, o_direct, case):
     assert torch.equal(as_bytes, t.contiguous().reshape(-1).view(torch.uint8))
 
 
+
+@pytest.mark.parametrize("o_direct", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize(
+    "nbytes", [(1 << 20) + 4096, (1 << 20) + 4100, 3 * (1 << 20) + 123, (1 << 20) - 8],
+    ids=["two_pieces_aligned", "partial_last_block", "many_blocks_odd_tail", "under_one_call"],
+)
+def test_direct_transfer_header_with_first_block(tmp_path, backend, tmp_o_direct, o_direct, nbytes):
+    """Aligned memory larger than one call: the header goes with the first block on the
+    caller's thread while the backend moves the rest in 64 KiB pieces, and a payload that ends
+    mid-block goes through the one-block tail buffer; bytes, padding and CRC must all be right."""
+    if o_direct and not tmp_o_direct:
+        pytest.skip("O_DIRECT refused here")
+    payload = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    path = tmp_path / "direct.shard"
+    src = aligned_empty(nbytes)[:nbytes]  # 4096-aligned, exactly the payload: no padding
+    src.copy_(payload)
+    write_tensor_file(path, src, backend=backend, o_direct=o_direct, key="d")
+    raw = path.read_bytes()
+    assert len(raw) == HEADER_BYTES + round_up(nbytes)
+    assert raw[HEADER_BYTES : HEADER_BYTES + nbytes] == payload.numpy().tobytes()
+    assert raw[HEADER_BYTES + nbytes :] == b"\0" * (round_up(nbytes) - nbytes)
+    assert read_header(path).crc32 == zlib.crc32(payload.numpy().tobytes())
+    out = aligned_empty(nbytes)[:nbytes]
+    out.zero_()
+    assert read_tensor_file(path, backend=backend, o_direct=o_direct, out=out, key="d") is out
+    assert torch.equal(out, payload)
+    _flip_byte(path, HEADER_BYTES + nbytes - 1)  # damage in the last (tail) block is caught
+    with pytest.raises(CorruptShardError, match="checksum"):
+        read_tensor_file(path, backend=backend, o_direct=o_direct, out=aligned_empty(nbytes)[:nbytes])
+
 @pytest.mark.parametrize("o_direct", [True, False], ids=["o_direct", "buffered"])
 def test_round_trip_large_through_small_staging(tmp_path, backend, tmp_o_direct, o_direct):
     """Several checksum pieces, and unaligned memory streamed through a tiny staging buffer."""

@@ -188,6 +188,7 @@ class NvmeStore:
         self._counter_lock = threading.Lock()
         self._index: dict[str, int] = {}  # key -> payload bytes, for keys this store wrote
         self._index_lock = threading.Lock()
+        self._paths: dict[str, Path] = {}  # key -> its file (dict reads and writes are atomic)
         self._pending: dict[str, Future] = {}  # key -> its newest asynchronous write in flight
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -368,7 +369,10 @@ class NvmeStore:
 
     def path(self, key: str) -> Path:
         """The file that holds ``key`` (whether or not it exists yet)."""
-        return self.run_dir / _file_name_of(key)
+        path = self._paths.get(key)
+        if path is None:  # built once per key: quoting and joining cost ~15 us a transfer
+            path = self._paths[key] = self.run_dir / _file_name_of(key)
+        return path
 
     def exists(self, key: str) -> bool:
         with self._pending_lock:

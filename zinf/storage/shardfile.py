@@ -9,9 +9,12 @@ The layout is simple enough to inspect by hand (``head -c 4096 FILE`` prints the
 
 ``crc32`` is ``zlib.crc32`` of the N payload bytes (not the padding), computed with ISA-L's
 implementation of the same function where the ``isal`` package is installed (about 50 GB/s
-against zlib's 4–6 GB/s on one core here; the values are identical). It is computed in pieces
-on the I/O worker threads, as each piece lands, and the pieces are combined with
-:func:`crc32_combine`, so the check costs little wall time on top of the transfer.
+against zlib's 4–6 GB/s on one core here; the values are identical). For memory the kernel
+can use directly (``_DirectPlan``) the caller checksums the whole payload while the backend
+moves all but its first block, then moves the header with that first block in one call, so no
+transfer waits on a separate header write and a file up to one block is one system call. For
+memory that goes through staging windows, pieces are checksummed on the I/O worker threads as
+they land and combined with :func:`crc32_combine`.
 
 Files are only ever replaced, never modified in place: a writer writes a temporary file next to
 the target, flushes it with ``fdatasync`` and renames it over the target. A reader (or a hard
@@ -21,6 +24,7 @@ or the new version at the path, never a mix.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -52,9 +56,9 @@ HEADER_BYTES = 4096
 # The unit of checksumming: each piece of this size is checksummed by the worker thread that
 # completed it. A power of two keeps crc32_combine at one matrix product per piece.
 CRC_CHUNK_BYTES = 4 << 20
-# Transfers up to this size (or the backend's block size, if larger) go in one vectored system
-# call on the caller's thread, header included: handing a 1 MiB transfer to a worker thread and
-# waiting for it costs more than the transfer's own overhead (measured: benchmarks/RESULTS.md).
+# The first call of a direct transfer (header + first payload bytes, on the caller's thread)
+# moves up to this much, or the backend's block size if larger: handing a 1 MiB transfer to a
+# worker thread and waiting for it costs more than the transfer (measured: benchmarks/RESULTS.md).
 ONE_CALL_MAX_BYTES = 1 << 20
 # Bounce buffer used when the caller gives no staging buffer and one is needed.
 DEFAULT_WINDOW_BYTES = 16 << 20
@@ -92,6 +96,17 @@ def _checksum_mismatch(path: Path, key: str | None, header: "ShardHeader", crc: 
     )
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _header_json_prefix(version: int, key: str, dtype: torch.dtype, shape: tuple, nbytes: int) -> bytes:
+    """The header up to the CRC's digits. A shard is rewritten every step with only its CRC
+    changed, so this part is built once per shard (json.dumps costs ~10 us a write)."""
+    body = {"version": version, "key": key, "dtype": _dtype_name(dtype), "shape": list(shape),
+            "nbytes": nbytes, "crc32": 0}
+    text = json.dumps(body, ensure_ascii=True)
+    assert text.endswith(', "crc32": 0}')
+    return MAGIC + b"\n" + text[: -len("0}")].encode("ascii")
+
+
 @dataclass(frozen=True)
 class ShardHeader:
     """The header of a shard file. ``nbytes`` is the payload length without padding."""
@@ -110,15 +125,8 @@ class ShardHeader:
 
     def encode(self) -> bytes:
         """The 4096 bytes written at offset 0."""
-        body = {
-            "version": self.version,
-            "key": self.key,
-            "dtype": _dtype_name(self.dtype),
-            "shape": list(self.shape),
-            "nbytes": self.nbytes,
-            "crc32": self.crc32,
-        }
-        raw = MAGIC + b"\n" + json.dumps(body, ensure_ascii=True).encode("ascii") + b"\n"
+        raw = _header_json_prefix(self.version, self.key, self.dtype, self.shape, self.nbytes)
+        raw += b"%d}\n" % self.crc32
         if len(raw) > HEADER_BYTES:
             raise ValueError(
                 f"shard header for key {self.key[:80]!r} needs {len(raw)} bytes, more than the "
@@ -546,25 +554,110 @@ def needs_staging(tensor: torch.Tensor, *, o_direct: bool) -> bool:
     )
 
 
-def _one_call_bytes(backend: IoBackend, data: torch.Tensor, nbytes: int, *, o_direct: bool) -> int | None:
-    """Bytes to move in one vectored call with the header, or None when the transfer must go
-    through the backend: it is large, or ``O_DIRECT`` would need a bounce buffer."""
-    limit = max(ONE_CALL_MAX_BYTES, getattr(backend, "block_size", 0))
-    padded = round_up(nbytes)
-    if padded > limit:
-        return None
-    if not o_direct:
-        return nbytes
-    if is_aligned(data) and data.numel() >= padded:
-        return padded
-    return None
+class _DirectPlan:
+    """How a payload moves straight between ``data`` and the file, header included.
+
+    The caller's thread moves the header block together with the payload's first
+    ``first_bytes`` in one vectored call; the backend moves the rest of the aligned payload,
+    ``[first_bytes, prefix_bytes)``, in block-size pieces meanwhile. Under ``O_DIRECT`` a payload
+    whose length is not a multiple of 4096 (and whose tensor holds no padding) ends in a one-block
+    ``tail`` bounce buffer. Small files (up to one block) thus take a single system call, and no
+    transfer waits on a separate header write.
+    """
+
+    def __init__(self, data: torch.Tensor, nbytes: int, block_bytes: int, *, o_direct: bool) -> None:
+        if not o_direct:
+            self.prefix_bytes = nbytes  # buffered: the file's padding is zeros already
+        elif data.numel() >= round_up(nbytes):
+            self.prefix_bytes = round_up(nbytes)  # the tensor holds the padding: move it too
+        else:
+            self.prefix_bytes = round_down(nbytes)
+        self.nbytes = nbytes
+        self.view = _memview(data[: self.prefix_bytes]) if self.prefix_bytes else memoryview(b"")
+        self.tail = aligned_empty(ALIGN) if self.prefix_bytes < nbytes else None
+        self.tail_view = memoryview(self.tail.numpy()) if self.tail is not None else None
+        self.first_bytes = min(self.prefix_bytes, max(block_bytes, ONE_CALL_MAX_BYTES))
+        self.tail_in_first_call = self.first_bytes == self.prefix_bytes
+
+    @staticmethod
+    def suits(data: torch.Tensor, *, o_direct: bool) -> bool:
+        """Whether ``data`` can be moved without staging (always, without ``O_DIRECT``)."""
+        return not o_direct or is_aligned(data)
+
+    @property
+    def single_call(self) -> bool:
+        return self.first_bytes == self.prefix_bytes and self.tail_in_first_call
+
+    def first_call(self, head: memoryview) -> list[memoryview]:
+        bufs = [head]
+        if self.first_bytes:
+            bufs.append(self.view[: self.first_bytes])
+        if self.tail_view is not None and self.tail_in_first_call:
+            bufs.append(self.tail_view)
+        return bufs
+
+    def submit_rest(self, backend: IoBackend, fd: int, op: str) -> list:
+        """Hand the rest of the payload to ``backend``; returns the futures."""
+        submit = backend.pread if op == "read" else backend.pwrite
+        futures = []
+        if self.first_bytes < self.prefix_bytes:
+            futures.append(submit(fd, self.view[self.first_bytes :], HEADER_BYTES + self.first_bytes))
+        if self.tail_view is not None and not self.tail_in_first_call:
+            futures.append(submit(fd, self.tail_view, HEADER_BYTES + self.prefix_bytes))
+        return futures
+
+    def fill_tail(self, data: torch.Tensor) -> None:
+        """Writing: copy the payload's last partial block into the tail (zero padded)."""
+        if self.tail is not None:
+            length = self.nbytes - self.prefix_bytes
+            self.tail.zero_()
+            self.tail[:length].copy_(data[self.prefix_bytes : self.nbytes])
+
+    def drain_tail(self, data: torch.Tensor) -> None:
+        """Reading: copy the payload's last partial block out of the tail."""
+        if self.tail is not None:
+            length = self.nbytes - self.prefix_bytes
+            data[self.prefix_bytes : self.nbytes].copy_(self.tail[:length])
+
+    def crc(self) -> int:
+        """CRC-32 of the payload bytes (aligned part, then the tail's payload bytes)."""
+        aligned_bytes = min(self.prefix_bytes, self.nbytes)
+        crc = payload_crc32(self.view[:aligned_bytes])
+        if self.tail_view is not None:
+            crc = payload_crc32(self.tail_view[: self.nbytes - self.prefix_bytes], crc)
+        return crc
+
+
+def _wait_all(backend: IoBackend, futures: list) -> None:
+    """Wait for ``futures``, running queued pieces on this thread meanwhile (where the backend
+    can), and raise the first error; never returns with a piece still in flight."""
+    help_ = getattr(backend, "help", None)
+    if help_ is not None:
+        while not all(f.done() for f in futures) and help_():
+            pass
+    errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+_thread_buffers = threading.local()
 
 
 def _header_block(header: ShardHeader) -> memoryview:
-    block = aligned_empty(HEADER_BYTES)
-    view = memoryview(block.numpy())
+    """``header`` encoded in this thread's aligned 4 KiB block (reused: the block is written by
+    this thread before it encodes the next header)."""
+    view = getattr(_thread_buffers, "header", None)
+    if view is None:
+        view = _thread_buffers.header = memoryview(aligned_empty(HEADER_BYTES).numpy())
     view[:] = header.encode()
     return view
+
+
+def _io_span(name: str):
+    """``record_function(name)`` while the torch profiler records, else nothing: entering one
+    costs ~10 us even when no profiler runs, a few percent of a 1 MiB transfer."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def write_tensor_file(
@@ -602,7 +695,7 @@ def write_tensor_file(
     Returns as usual; whether the old version was kept is ``keep_old_at.exists()`` afterwards
     (it is not where the filesystem cannot exchange names, or when ``path`` did not exist).
     """
-    path = Path(path)
+    path = path if isinstance(path, Path) else Path(path)
     if tensor.device.type != "cpu":
         raise ValueError(f"write_tensor_file takes CPU tensors; got one on {tensor.device}")
     _check_staging(staging)
@@ -624,14 +717,18 @@ def write_tensor_file(
 
     reusing = reuse is not None
     tmp = reuse if reusing else _tmp_path_for(path)
-    one_call = _one_call_bytes(backend, data, nbytes, o_direct=o_direct)
+    plan = (
+        _DirectPlan(data, nbytes, _block_bytes(backend), o_direct=o_direct)
+        if _DirectPlan.suits(data, o_direct=o_direct)
+        else None
+    )
     # One O_DIRECT call with O_DSYNC is as durable as write + fdatasync (the kernel syncs inside
     # the call, a FUA write where no metadata changed) and saves a system call per file.
-    dsync = one_call is not None and o_direct
+    dsync = plan is not None and plan.single_call and o_direct
     flags = os.O_WRONLY | os.O_CLOEXEC | (O_DIRECT if o_direct else 0) | (os.O_DSYNC if dsync else 0)
     if not reusing:
         flags |= os.O_CREAT | os.O_EXCL
-    with record_function("zinf.io.write"):
+    with _io_span("zinf.io.write"):
         try:
             fd = os.open(tmp, flags, 0o644)
         except OSError as e:
@@ -643,12 +740,9 @@ def write_tensor_file(
                         raise ValueError(f"spare file {tmp} has the wrong length for {path}")
                 else:
                     _preallocate(fd, header.file_bytes)
-                if one_call is not None:
-                    # Small: checksum first (ISA-L, ~50 GB/s), then header and payload in one call.
-                    payload = _memview(data[:one_call])
-                    header = replace(header, crc32=payload_crc32(payload[:nbytes]))
-                    writev_full(fd, [_header_block(header), payload], 0)
-                else:
+                if plan is not None:
+                    header = _write_direct(backend, fd, plan, data, header)
+                else:  # unaligned memory under O_DIRECT: through the staging windows
                     transfer = _Transfer(backend, fd, "write", checksum=True)
                     crc = transfer.run(data, nbytes, o_direct=o_direct, staging=staging)
                     header = replace(header, crc32=crc)
@@ -668,6 +762,26 @@ def write_tensor_file(
         if fsync_dir:
             _fsync_directory(path.parent)
     return header.file_bytes
+
+
+def _block_bytes(backend: IoBackend) -> int:
+    return getattr(backend, "block_size", ONE_CALL_MAX_BYTES)
+
+
+def _write_direct(
+    backend: IoBackend, fd: int, plan: _DirectPlan, data: torch.Tensor, header: ShardHeader
+) -> ShardHeader:
+    """Write header and payload per ``plan``: the backend writes all but the first block while
+    this thread checksums the payload and then writes the header with the first block. Returns
+    the header with its CRC."""
+    plan.fill_tail(data)
+    futures = plan.submit_rest(backend, fd, "write")
+    try:
+        header = replace(header, crc32=plan.crc())  # ISA-L, ~50 GB/s: overlaps the rest's I/O
+        writev_full(fd, plan.first_call(_header_block(header)), 0)
+    finally:
+        _wait_all(backend, futures)  # never close the fd under a piece in flight
+    return header
 
 
 def _switch(new: Path, path: Path, keep_old_at: Path | None) -> None:
@@ -736,10 +850,10 @@ def read_tensor_file(
     Raises :class:`CorruptShardError` for a bad header, a wrong length or a checksum mismatch,
     and :class:`StorageError` when the file is missing or cannot be read.
     """
-    path = Path(path)
+    path = path if isinstance(path, Path) else Path(path)
     _check_staging(staging)
     flags = os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if o_direct else 0)
-    with record_function("zinf.io.read"):
+    with _io_span("zinf.io.read"):
         try:
             fd = os.open(path, flags)
         except OSError as e:
@@ -751,7 +865,7 @@ def read_tensor_file(
             raise _storage_error("read", path, e) from e
         try:
             if out is not None:
-                fast = _read_one_call(fd, path, key, out, backend, o_direct=o_direct, verify=verify)
+                fast = _read_direct(fd, path, key, out, backend, o_direct=o_direct, verify=verify)
                 if fast is not None:
                     return out
             header = _read_header_fd(fd, path, key)
@@ -788,31 +902,37 @@ def _wrong_out(path: Path, header: ShardHeader, out: torch.Tensor) -> ValueError
     )
 
 
-def _read_one_call(
+def _read_direct(
     fd: int, path: Path, key: str | None, out: torch.Tensor, backend: IoBackend, *, o_direct: bool,
     verify: bool,
 ) -> ShardHeader | None:
-    """Read a small file's header and payload into ``out`` with one vectored call and check
-    them; None (nothing read) when the file or ``out`` does not suit that, and the caller takes
-    the general path, which also produces the precise error for a damaged file."""
+    """Read header and payload straight into ``out``: this thread reads the header with the first
+    block in one vectored call while the backend reads the rest (a small file is one call).
+    None (nothing read) when the file or ``out`` does not suit that; the caller then takes the
+    general path, which also produces the precise error for a damaged file."""
     if out.device.type != "cpu" or not out.is_contiguous():
         return None
     data = _bytes_of(out)
     nbytes = data.numel()
-    one_call = _one_call_bytes(backend, data, nbytes, o_direct=o_direct)
-    if one_call is None or (o_direct and one_call != nbytes):
-        return None  # O_DIRECT must not read padding past the end of out
+    if not _DirectPlan.suits(data, o_direct=o_direct):
+        return None
     if os.fstat(fd).st_size != HEADER_BYTES + round_up(nbytes):
         return None
-    block = aligned_empty(HEADER_BYTES)
-    head = memoryview(block.numpy())
-    payload = _memview(data)
-    readv_full(fd, [head, payload], 0)
+    # out holds exactly the payload, so under O_DIRECT a partial last block goes through the
+    # plan's tail buffer rather than past the end of out.
+    plan = _DirectPlan(data, nbytes, _block_bytes(backend), o_direct=o_direct)
+    head = memoryview(aligned_empty(HEADER_BYTES).numpy())
+    futures = plan.submit_rest(backend, fd, "read")
+    try:
+        readv_full(fd, plan.first_call(head), 0)
+    finally:
+        _wait_all(backend, futures)
     header = ShardHeader.decode(bytes(head), path, key)
     if header.nbytes != nbytes:
         raise _wrong_out(path, header, out)
+    plan.drain_tail(data)
     if verify:
-        crc = payload_crc32(payload)
+        crc = plan.crc()
         if crc != header.crc32:
             raise _checksum_mismatch(path, key, header, crc)
     return header
@@ -845,11 +965,11 @@ def copy_tensor_file(
             crc = 0
             for offset in range(HEADER_BYTES, header.file_bytes, len(chunk)):
                 view = memoryview(chunk)[: min(len(chunk), header.file_bytes - offset)]
-                with record_function("zinf.io.read"):
+                with _io_span("zinf.io.read"):
                     read_full(src_fd, view, offset)
                 payload_bytes = max(0, min(len(view), HEADER_BYTES + header.nbytes - offset))
                 crc = payload_crc32(view[:payload_bytes], crc)
-                with record_function("zinf.io.write"):
+                with _io_span("zinf.io.write"):
                     write_full(dest_fd, view, offset)
             if crc != header.crc32:
                 raise _corrupt(
@@ -857,7 +977,7 @@ def copy_tensor_file(
                     header.key,
                     f"checksum mismatch (header crc32 {header.crc32:#010x}, payload {crc:#010x})",
                 )
-            with record_function("zinf.io.write"):
+            with _io_span("zinf.io.write"):
                 write_full(dest_fd, memoryview(header.encode()), 0)
             os.fdatasync(dest_fd)
         finally:
