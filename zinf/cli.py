@@ -113,6 +113,72 @@ def doctor(
         sys.exit(exit_code(results))  # SystemExit, not typer.Exit: main() runs click without standalone mode
 
 
+@app.command("export")
+def export(
+    out: Annotated[Path, typer.Option(help="the file (chrome) or directory (csv, parquet) to write; its folder must exist")],
+    format: Annotated[str, typer.Option("--format", help="chrome (a Chrome/Perfetto trace JSON), csv or parquet (one file per table)")],
+    db: Annotated[str, typer.Option(help="SQLAlchemy URL of the profile database")] = "sqlite:///zinf-profile.db",
+    run: Annotated[str | None, typer.Option(help="run id (default: the latest run); 'all' exports every run (csv, parquet)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing non-empty --out")] = False,
+) -> None:
+    """Export a run of the profile database: a Chrome trace that opens in Perfetto /
+    chrome://tracing, or every table's rows as CSV or Parquet files in a directory."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from profiler import export as ex
+    from profiler.store import describe_url
+
+    fmt = ex.check_format(format)
+    which = ex.parse_run(run, fmt)
+    run_id = None if which in (None, "all") else int(which)
+    if which is None:  # the latest run, looked up here so that the message can say which one it was
+        from profiler.queries import latest_run_id
+        from zinf.errors import ProfileError
+
+        run_id = latest_run_id(db)
+        if run_id is None:
+            raise ProfileError(f"no run is recorded in {describe_url(db)}; record one with the profiler enabled")
+    if fmt == "chrome":
+        path = ex.export_chrome_trace(db, run_id, out, force=force)
+        console.print(f"wrote a Chrome trace of run {run_id} of {describe_url(db)} to {path} "
+                      "(open it in ui.perfetto.dev or chrome://tracing)", highlight=False, markup=False, soft_wrap=True)
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tables"),
+                  TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(f"export {fmt}", total=len(ex.schema.TABLES))
+        files = ex.export_tables(db, run_id, out, fmt, force=force,
+                                 progress=lambda done, total, label: bar.update(task, completed=done, total=total,
+                                                                               description=f"{fmt}: {label}"))
+    what = "every run" if which == "all" else f"run {run_id}"
+    console.print(f"wrote {len(files)} {fmt} files ({what}) to {out}", highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command("runs")
+def runs(db: Annotated[str, typer.Option(help="SQLAlchemy URL of the profile database")] = "sqlite:///zinf-profile.db") -> None:
+    """List the runs in the profile database: status (running / finished / crashed), steps, model, last loss."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from profiler.export import runs_summary
+    from profiler.store import describe_url
+
+    df = runs_summary(db)
+    if df.empty:
+        console.print(f"no runs recorded in {describe_url(db)}", highlight=False)
+        return
+    table = Table(title=f"runs in {describe_url(db)}")
+    for col, kw in (("id", {"justify": "right"}), ("name", {"overflow": "fold"}), ("status", {}), ("started (UTC)", {}),
+                    ("steps", {"justify": "right"}), ("model", {}), ("last loss", {"justify": "right"})):
+        table.add_column(col, **kw)
+    colour = {"running": "yellow", "finished": "green", "crashed": "red"}
+    for r in df.itertuples(index=False):
+        started = "" if r.started_at is None or str(r.started_at) == "NaT" else r.started_at.tz_convert(None).strftime("%Y-%m-%d %H:%M:%S")
+        loss = "" if r.last_loss != r.last_loss or r.last_loss is None else f"{r.last_loss:.4g}"
+        table.add_row(str(r.run_id), escape(str(r.name)), f"[{colour.get(r.status, 'white')}]{r.status}[/]", started,
+                      str(r.steps), escape(str(r.model)), loss)
+    console.print(table)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=False)
