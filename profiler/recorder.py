@@ -7,7 +7,7 @@ off, aggregates them in memory per step (``steps``) and per window of ``window_s
 writes them in batches (``executemany``, one transaction per batch) every ``flush_interval_s``.
 
 Overload: when ``queue_max`` events are waiting, detail events (:class:`ShardFetched`,
-:class:`IoDone`, :class:`OptimizerShardDone`) are dropped at once; the few per-step events
+:class:`ShardTransfer`, :class:`IoDone`, :class:`OptimizerShardDone`) are dropped at once; the few per-step events
 (:class:`RunStarted`, :class:`StepFinished`, :class:`ShardMigrated`, :class:`RunFinished`) may
 use a reserve above ``queue_max`` and wait at most ``essential_wait_s`` for room before they are
 dropped too. Every drop is counted per event kind, in :attr:`Recorder.dropped` and in the run's
@@ -23,6 +23,20 @@ step and are counted as ``"unattributed"``; their I/O samples are kept, with ste
 Status: ``finished``/``crashed`` as :class:`RunFinished` says; closed without a RunFinished ->
 ``crashed``; a process that died leaves ``running``, which :func:`profiler.queries.list_runs`
 reports as ``crashed`` once its pid is gone (same host) or its heartbeat is stale.
+
+What a killed process loses: only what was not yet committed. A step's ``steps`` row, its
+``shard_steps`` rows (of a window that closed with it) and its I/O samples go into the database
+in one transaction, at most ``flush_interval_s`` after its :class:`StepFinished` (plus the time
+of that write), so a SIGKILL loses at most the steps finished in the last ``flush_interval_s``
+and the step under way; an open window of ``window_steps`` > 1 loses its shard rows. While
+writes fail (a locked database) rows wait in memory and retries back off up to 30 s: then
+everything since the last commit is at risk. ``last_heartbeat`` is at most ``heartbeat_s`` old
+while the process lives. SQLite's WAL keeps every commit intact across the kill.
+
+``runs.bandwidths``: what :meth:`Recorder.record_bandwidths` (or ``hardware["bandwidths"]``)
+gave, plus, per tier and op, what this run's I/O measured (every :class:`IoDone`, subsampled
+or not): ``<tier>_<op>_bytes``, ``<tier>_<op>_s`` (summed request seconds) and
+``<tier>_<op>_GBps`` (their ratio), e.g. ``nvme_read_GBps``; given values win.
 """
 
 from __future__ import annotations
@@ -50,7 +64,7 @@ log = logging.getLogger("zinf.profiler")
 
 __all__ = ["Recorder", "record_calibration", "DETAIL_EVENTS"]
 
-DETAIL_EVENTS = (ev.ShardFetched, ev.IoDone, ev.OptimizerShardDone)
+DETAIL_EVENTS = (ev.ShardFetched, ev.ShardTransfer, ev.IoDone, ev.OptimizerShardDone)
 _DETAIL = frozenset(DETAIL_EVENTS)
 _PHASE_INDEX = {"forward": 0, "backward": 1, "recompute": 2}
 _TIER_INDEX = {t: i for i, t in enumerate(schema.TIERS)}
@@ -117,6 +131,20 @@ class _RunState:
         self.finished = False
         self.update: dict[str, Any] = {}
         self.dropped_base: Counter = Counter()
+        hw_bw = started.hardware.get("bandwidths") if isinstance(started.hardware, Mapping) else None
+        self.bandwidths_given: dict[str, Any] = dict(hw_bw) if isinstance(hw_bw, Mapping) else {}
+        self.io_totals: dict[tuple[str, str], list] = {}  # (tier, op) -> [bytes, seconds]
+        self.io_totals_changed = False
+
+    def bandwidths(self) -> dict[str, Any] | None:
+        """runs.bandwidths: the measured totals of this run's I/O, under what was given."""
+        out: dict[str, Any] = {}
+        for (tier, op), (nbytes, secs) in sorted(self.io_totals.items()):
+            out[f"{tier}_{op}_bytes"] = nbytes
+            out[f"{tier}_{op}_s"] = secs
+            out[f"{tier}_{op}_GBps"] = nbytes / secs / 1e9 if secs > 0 else None
+        out.update(self.bandwidths_given)
+        return out or None
 
     @property
     def next_step(self) -> int:
@@ -129,6 +157,10 @@ class Recorder:
     ``detail="shard"`` records ``steps``, ``shard_steps`` and ``io_samples``; ``detail="step"``
     only ``steps`` (and runs, shards, migrations, plans) and ignores the detail events in ``emit``.
     The database is created or migrated on open (:func:`profiler.store.upgrade`).
+
+    Pending rows are committed every ``flush_interval_s`` (and a heartbeat every ``heartbeat_s``):
+    a process killed without warning loses at most the steps finished in its last
+    ``flush_interval_s`` and the step under way (see the module docstring for the exceptions).
     """
 
     enabled = True
@@ -487,6 +519,12 @@ class Recorder:
                 "o_direct": bool(e.o_direct), "block_size": e.block_size, "queue_depth": e.queue_depth,
                 "thread_count": e.thread_count, "_shard": e.shard,
             }
+            tot = st.io_totals.get((e.tier, e.op))
+            if tot is None:
+                tot = st.io_totals[(e.tier, e.op)] = [0, 0.0]
+            tot[0] += int(e.bytes)
+            tot[1] += float(e.seconds)
+            st.io_totals_changed = True
             if len(st.io_buf) < cap:
                 st.io_buf.append(row)
             else:
@@ -494,6 +532,18 @@ class Recorder:
                 j = self._rng.randrange(st.io_seen)
                 if j < cap:
                     st.io_buf[j] = row
+            return False
+        if kind is ev.ShardTransfer:
+            if st is None or st.finished:
+                self._drop("no_run:ShardTransfer")
+                return False
+            acc = st.cur.get(e.shard)
+            if acc is None:
+                acc = st.cur[e.shard] = _new_acc()
+            t = _TIER_INDEX.get(e.tier)
+            if t is not None:
+                acc[(_READ0 if e.op == "read" else _WRITE0) + t] += e.bytes
+            acc[_STALL_S] += e.stall_s
             return False
         if kind is ev.OptimizerShardDone:
             if st is None or st.finished:
@@ -655,7 +705,8 @@ class Recorder:
             if st is None:
                 self._drop("no_run:record_bandwidths")
             else:
-                st.update["bandwidths"] = c.payload
+                st.bandwidths_given.update(c.payload)
+                st.io_totals_changed = True
                 self._touch(st)
         return False
 
@@ -716,6 +767,8 @@ class Recorder:
                     if st.run_id is None:
                         continue
                     values = dict(st.update)
+                    if st.io_totals_changed:
+                        values["bandwidths"] = st.bandwidths()
                     values["last_heartbeat"] = now
                     values["dropped_events"] = self._dropped_for(st)
                     conn.execute(schema.runs.update().where(schema.runs.c.id == st.run_id).values(**values))
@@ -738,6 +791,7 @@ class Recorder:
         self._plans = []
         for st in updates.values():
             st.update = {}
+            st.io_totals_changed = False
         self._states_to_update = {}
         self._n_pending = 0
         self._fail_streak = 0

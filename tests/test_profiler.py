@@ -280,7 +280,11 @@ def test_event_stream_exact_counts(tmp_path):
     info = queries.run_info(url, run_id)
     assert info["status"] == "finished" and info["steps"] == N_STEPS and info["shards"] == 3
     assert info["config"]["train_batch_size"] == 4 and info["model"]["class"] == "GPT"
-    assert info["bandwidths"] == {"nvme_read_GBps": 2.5}
+    # the given bandwidth wins over the one measured from every IoDone of the run; the rest is measured
+    assert info["bandwidths"] == {
+        "nvme_read_GBps": 2.5, "nvme_read_bytes": N_STEPS * 4096, "nvme_read_s": pytest.approx(N_STEPS * 0.002),
+        "nvme_write_bytes": N_STEPS * 3 * 8192, "nvme_write_s": pytest.approx(N_STEPS * 3 * 0.004),
+        "nvme_write_GBps": pytest.approx(8192 / 0.004 / 1e9)}
     assert info["o_direct"] is True and info["swap_dir"] == "/tmp/swap"
     assert info["pid"] == os.getpid() and info["dropped_events"] == {}
     assert info["finished_at"] >= info["started_at"]
@@ -335,7 +339,28 @@ def test_io_samples_subsampled_beyond_cap(tmp_path):
     events += [ev.StepFinished(1, 1, 0.1, 0, 0, 0, 0, 0, 1.0), ev.RunFinished("finished", 1, time.time())]
     r = record(url, events, io_samples_per_step=10)
     assert count(url, "io_samples") == 10
-    assert queries.run_info(url, r.run_id)["dropped_events"] == {"IoDone:subsampled": 40}
+    info = queries.run_info(url, r.run_id)
+    assert info["dropped_events"] == {"IoDone:subsampled": 40}
+    assert info["bandwidths"]["nvme_read_bytes"] == 50 * 1000  # measured from every sample, kept or not
+    assert info["bandwidths"]["nvme_read_s"] == pytest.approx(50 * 0.001)
+
+
+def test_shard_transfers_and_given_bandwidths(tmp_path):
+    url = db_url(tmp_path)
+    r = Recorder(url, flush_interval_s=0.05)
+    r.emit(ev.RunStarted("run", {}, {}, {"cpu": "test"}, SHARDS, None, True, time.time()))
+    r.emit(ev.ShardTransfer(0, "s1", "grad", "write", "nvme", 2000, 0.0))
+    r.emit(ev.ShardTransfer(0, "s1", "grad", "read", "nvme", 2000, 0.003))
+    r.emit(ev.ShardTransfer(0, "s2", "param", "write", "nvme", 4000, 0.0))
+    r.emit(ev.IoDone("write", "nvme", "grad", "s1", 2000, 0.001, True, 4096, 1, 1))
+    r.emit(ev.StepFinished(1, 2, 0.1, 0, 0, 0, 0.003, 0, 1.0))
+    r.record_bandwidths({"nvme_write_GBps": 1.5, "source": "bench-io"})
+    r.emit(ev.RunFinished("finished", 1, time.time()))
+    r.close()
+    assert rows(url, "SELECT s.name, read_nvme_bytes, written_nvme_bytes, stall_s, forward_accesses FROM shard_steps "
+                     "JOIN shards s ON s.id = shard_id ORDER BY s.name") == [("s1", 2000, 2000, 0.003, 0), ("s2", 0, 4000, 0.0, 0)]
+    assert queries.run_info(url, r.run_id)["bandwidths"] == {
+        "nvme_write_bytes": 2000, "nvme_write_s": 0.001, "nvme_write_GBps": 1.5, "source": "bench-io"}
 
 
 def test_queue_overflow_drops_detail_first_and_counts(tmp_path):

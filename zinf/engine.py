@@ -489,8 +489,11 @@ class Engine:
         if st.param_state is ParamState.MATERIALISED:
             if st.refcount == 1 and st.shard.index in self._prefetcher.kept:
                 self._prefetcher.reuse(st.shard.index)  # kept since its last use: no read
-                if self.recorder.enabled:
-                    self._emit_fetch(st, phase, st.place.param, 0, 0.0, 0.0)
+            if self.recorder.enabled:
+                # Still here (kept, held for the pass like a chunk, or in use by another module):
+                # an access that moves nothing, counted like one of a resident shard, so that a
+                # shard's accesses per step do not depend on its tier.
+                self._emit_fetch(st, phase, st.place.param, 0, 0.0, 0.0)
             return
         t0 = time.perf_counter()
         shard = st.shard
@@ -586,7 +589,10 @@ class Engine:
                 if st.grad_on_nvme:  # earlier micro-batches of this window left their sum on NVMe
                     t0 = time.perf_counter()
                     self._read_optim(st, "grad", out=st.grad)
-                    self._step_timer.stall_s += time.perf_counter() - t0
+                    waited = time.perf_counter() - t0
+                    self._step_timer.stall_s += waited
+                    if self.recorder.enabled:
+                        self._emit_transfer(st, "grad", "read", "nvme", st.shard.numel * 4, waited)
             view = st.grad[m.offset : m.offset + m.numel].view(m.shape)
             g = g.to("cpu", torch.float32) if (g.device.type != "cpu" or g.dtype != torch.float32) else g
             if i in st.grad_members:
@@ -627,6 +633,8 @@ class Engine:
         grad, st.grad = st.grad, None
         self._write_optim(st, "grad", grad)  # asynchronous: backward goes on
         st.grad_on_nvme = True
+        if self.recorder.enabled:
+            self._emit_transfer(st, "grad", "write", "nvme", grad.numel() * 4, 0.0)
 
     def _finish_backward(self) -> None:
         for st in self._backward_held:
@@ -869,6 +877,8 @@ class Engine:
             return
         if st.place.param == "nvme":
             self._write(self._stores["param"], st.key("param"), master.to(self.dtype))
+            if self.recorder.enabled:  # not part of the optimizer group's bytes: its own record
+                self._emit_transfer(st, "param", "write", "nvme", self._nbytes(st)[0], 0.0)
         else:
             st.param_home.copy_(master)
 
@@ -891,6 +901,8 @@ class Engine:
                     read_bytes=dict(self._stats.read),
                     written_bytes=dict(self._stats.written),
                     dram_bytes=self.dram_bytes_in_use(),
+                    pinned_bytes=self.pinned_bytes_in_use(),
+                    gpu_bytes=torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0,
                     rss_bytes=rss_bytes(),
                     plan_version=self.plan_version,
                 )
@@ -918,6 +930,15 @@ class Engine:
             if st.param_state is ParamState.MATERIALISED and self.device.type == "cpu":
                 total += st.shard.numel * torch.empty((), dtype=self.dtype).element_size()
         return total + self._buffers.in_use_bytes
+
+    def pinned_bytes_in_use(self) -> int:
+        """Bytes of page-locked host memory the engine holds now: the pooled I/O buffers (handed
+        out and kept free) and the NVMe stores' staging buffers, both pinned only with CUDA."""
+        if self.device.type != "cuda":
+            return 0
+        pool = self._buffers.in_use_bytes + self._buffers.free_bytes if self._buffers.pin else 0
+        stores = {id(s): s for s in self._stores.values()}.values()
+        return pool + sum(s.staging_bytes_total for s in stores)
 
     def _master_flat(self, st: ShardState) -> Tensor:
         if not st.shard.trainable:
@@ -1022,6 +1043,9 @@ class Engine:
     # ------------------------------------------------------------------ events
     def _emit_fetch(self, st: ShardState, phase: str, tier: str, nbytes: int, fetch_s: float, stall_s: float) -> None:
         self.recorder.emit(ev.ShardFetched(self.global_steps, self.micro_steps, st.name, phase, tier, nbytes, fetch_s, stall_s))
+
+    def _emit_transfer(self, st: ShardState, what: str, op: str, tier: str, nbytes: int, stall_s: float) -> None:
+        self.recorder.emit(ev.ShardTransfer(self.global_steps, st.name, what, op, tier, nbytes, stall_s))
 
     def _emit_run_started(self) -> None:
         infos = []

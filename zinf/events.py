@@ -13,7 +13,7 @@ table                         events
 runs                          :class:`RunStarted`, :class:`RunFinished`
 shards                        :class:`RunStarted` (``shards``)
 steps                         :class:`StepFinished`
-shard_steps                   :class:`ShardFetched`, :class:`OptimizerShardDone`
+shard_steps                   :class:`ShardFetched`, :class:`OptimizerShardDone`, :class:`ShardTransfer`
 io_samples                    :class:`IoDone`
 migrations                    :class:`ShardMigrated`
 ============================  ================================================================
@@ -69,6 +69,22 @@ class ShardFetched:
     bytes: int  # bytes moved (0 when the param home is already on the compute device)
     fetch_s: float  # time the copy/read took
     stall_s: float  # time compute waited for it (== fetch_s for a synchronous fetch)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardTransfer:
+    """Bytes of a shard moved outside a fetch and an optimizer group's read/write: its gradient
+    accumulator written to NVMe and read back between micro-batches, its param file rewritten
+    after an update. With :class:`ShardFetched` and :class:`OptimizerShardDone` this attributes
+    to a shard every byte of a step's ``read_bytes`` / ``written_bytes``."""
+
+    step: int
+    shard: str
+    what: str  # "grad" or "param"
+    op: str  # "read" or "write"
+    tier: str
+    bytes: int
+    stall_s: float  # time compute waited for it, as the step's stall_s counts it (0 for writes behind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +160,8 @@ class RunFinished:
     finished_at: float
 
 
-Event = RunStarted | ShardFetched | IoDone | OptimizerShardDone | ShardMigrated | StepFinished | RunFinished
+Event = (RunStarted | ShardFetched | ShardTransfer | IoDone | OptimizerShardDone | ShardMigrated | StepFinished
+         | RunFinished)
 
 
 @runtime_checkable
