@@ -59,7 +59,8 @@ class RunStarted:
 
 @dataclass(frozen=True, slots=True)
 class ShardFetched:
-    """A shard's param was materialised on the compute device for one access."""
+    """One access of a shard's param on the compute device: one use by a module that owns one of
+    its parameters (``bytes`` 0 when it was already there: resident, kept, or held for the pass)."""
 
     step: int  # optimizer step this access belongs to (engine.global_steps at the time)
     micro_step: int
