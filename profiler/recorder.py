@@ -146,6 +146,13 @@ class _RunState:
         out.update(self.bandwidths_given)
         return out or None
 
+    def acc_of(self, shard: str) -> list:
+        """The accumulator of ``shard`` for the step under way (created on first use)."""
+        acc = self.cur.get(shard)
+        if acc is None:
+            acc = self.cur[shard] = _new_acc()
+        return acc
+
     @property
     def next_step(self) -> int:
         return (self.last_step + 1) if self.last_step is not None else 0
@@ -493,9 +500,7 @@ class Recorder:
             if st is None or st.finished:
                 self._drop("no_run:ShardFetched")
                 return False
-            acc = st.cur.get(e.shard)
-            if acc is None:
-                acc = st.cur[e.shard] = _new_acc()
+            acc = st.acc_of(e.shard)
             p = _PHASE_INDEX.get(e.phase)
             if p is not None:
                 acc[p] += 1
@@ -537,9 +542,7 @@ class Recorder:
             if st is None or st.finished:
                 self._drop("no_run:ShardTransfer")
                 return False
-            acc = st.cur.get(e.shard)
-            if acc is None:
-                acc = st.cur[e.shard] = _new_acc()
+            acc = st.acc_of(e.shard)
             t = _TIER_INDEX.get(e.tier)
             if t is not None:
                 acc[(_READ0 if e.op == "read" else _WRITE0) + t] += e.bytes
@@ -549,9 +552,7 @@ class Recorder:
             if st is None or st.finished:
                 self._drop("no_run:OptimizerShardDone")
                 return False
-            acc = st.cur.get(e.shard)
-            if acc is None:
-                acc = st.cur[e.shard] = _new_acc()
+            acc = st.acc_of(e.shard)
             acc[_OPT] += 1
             t = _TIER_INDEX.get(e.tier)
             if t is not None:

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import sqlite3
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -20,7 +16,7 @@ import pytest
 
 from conftest import SMALL_SHARDS
 from test_costmodel import train_profiled
-from test_profiler import REPO, full_stream, record, run_started, step_events
+from test_profiler import full_stream, live_child_run, record, run_started, step_events
 from zinf import events as ev
 from zinf.cli import main
 
@@ -72,29 +68,8 @@ def multi(real, tmp_path_factory):
     record_calibration(url, [{"path": "/nvme", "op": "write", "GBps": 1.5, "raw_baseline_GBps": 1.8, "source": "bench-io"}])
     planned = r.run_id
     # a run whose process dies with its row still 'running' (as in test_profiler)
-    child_code = textwrap.dedent(f"""
-        import sys, time
-        sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
-        from test_profiler import run_started, step_events
-        from profiler import Recorder
-        r = Recorder({url!r}, flush_interval_s=0.05)
-        r.emit(run_started("killed"))
-        for k in range(3):
-            for e in step_events(k):
-                r.emit(e)
-        r.flush()
-        print(r.run_id, flush=True)
-        time.sleep(120)
-    """)
-    with subprocess.Popen([sys.executable, "-c", child_code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, cwd=work) as child:
-        try:
-            line = child.stdout.readline()
-            assert line.strip(), child.stderr.read()
-            killed = int(line)
-        finally:
-            child.send_signal(signal.SIGKILL)
-            child.wait(10)
+    with live_child_run(url, work) as killed:
+        pass
     assert (planned, killed) == (2, 3)
     return url, {"real": 1, "planned": planned, "killed": killed}
 

@@ -18,6 +18,8 @@ import textwrap
 import threading
 import time
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,35 @@ def full_stream(n_steps=N_STEPS, name="run") -> list:
         out += step_events(k)
     out.append(ev.RunFinished("finished", n_steps, time.time()))
     return out
+
+
+@contextmanager
+def live_child_run(url: str, cwd) -> Iterator[int]:
+    """A child process that records three steps of a run into ``url`` and sleeps; yields its run
+    id while it lives, then SIGKILLs it, so the run row stays 'running' (a crashed run)."""
+    child_code = textwrap.dedent(f"""
+        import sys, time
+        sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+        from test_profiler import run_started, step_events
+        from profiler import Recorder
+        r = Recorder({url!r}, flush_interval_s=0.05)
+        r.emit(run_started("killed"))
+        for k in range(3):
+            for e in step_events(k):
+                r.emit(e)
+        r.flush()
+        print(r.run_id, flush=True)
+        time.sleep(120)
+    """)
+    with subprocess.Popen([sys.executable, "-c", child_code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=cwd) as child:
+        try:
+            line = child.stdout.readline()
+            assert line.strip(), child.stderr.read()
+            yield int(line)
+        finally:
+            child.send_signal(signal.SIGKILL)  # dies with its run row still 'running'
+            child.wait(10)
 
 
 def record(url, events, **kw) -> Recorder:
@@ -511,30 +542,8 @@ def test_reader_reads_while_recorder_writes(tmp_path):
 def test_two_runs_with_a_crashed_one(tmp_path):
     url = db_url(tmp_path)
     record(url, full_stream(2, name="good"))
-    child_code = textwrap.dedent(f"""
-        import sys, time
-        sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
-        from test_profiler import run_started, step_events
-        from profiler import Recorder
-        r = Recorder({url!r}, flush_interval_s=0.05)
-        r.emit(run_started("killed"))
-        for k in range(3):
-            for e in step_events(k):
-                r.emit(e)
-        r.flush()
-        print(r.run_id, flush=True)
-        time.sleep(120)
-    """)
-    with subprocess.Popen([sys.executable, "-c", child_code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, cwd=tmp_path) as child:
-        try:
-            line = child.stdout.readline()
-            assert line.strip(), child.stderr.read()
-            child_run = int(line)
-            assert queries.list_runs(url).set_index("run_id").loc[child_run, "status"] == "running"  # alive
-        finally:
-            child.send_signal(signal.SIGKILL)  # dies with its run row still 'running'
-            child.wait(10)
+    with live_child_run(url, tmp_path) as child_run:
+        assert queries.list_runs(url).set_index("run_id").loc[child_run, "status"] == "running"  # alive
     assert queries.run_info(url, child_run)["recorded_status"] == "running"
     with Recorder(url) as third:  # a live run in this process
         third.emit(run_started("live"))
