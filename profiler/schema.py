@@ -80,7 +80,7 @@ shards = sa.Table(
     sa.Column("shard_index", sa.Integer, nullable=False),  # position in RunStarted.shards
     sa.Column("name", sa.String(500), nullable=False),
     sa.Column("module", sa.String(500), nullable=False, server_default=""),
-    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),  # param, chunk, embedding, expert, frozen
     sa.Column("numel", sa.BigInteger, nullable=False),
     sa.Column("param_bytes", sa.BigInteger, nullable=False),
     sa.Column("optim_bytes", sa.BigInteger, nullable=False),

@@ -208,7 +208,7 @@ def test_recorded_accesses_and_bytes_match_the_schedule(tmp_path, name):
         assert list(r["members"]) == [n for m in sh.members for n in m.names]
         assert int(r["grad_bytes"]) == (sh.numel * 4 if sh.trainable else 0)
     kinds = set(rec_shards["kind"])
-    assert {"expert", "frozen", "chunk", "param"} <= kinds
+    assert {"expert", "frozen", "chunk", "param", "embedding"} <= kinds
 
     rows = queries.shard_steps(url, run_id)
     assert set(rows["window_steps"]) == {1}

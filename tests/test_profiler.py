@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -682,3 +683,28 @@ def test_package_exports():
     assert callable(profiler.upgrade) and callable(profiler.record_calibration)
     assert isinstance(Recorder.__new__(Recorder), ev.Recorder)  # the engine's protocol: enabled, emit, close
     assert Recorder.enabled is True
+
+
+def test_event_buffer_wakes_the_writer_only_when_asked_or_filling():
+    from profiler.recorder import _EventBuffer
+
+    b = _EventBuffer(4, wake_at=3)
+    b.put_nowait("detail-1", wake=False)
+    b.put_nowait("detail-2", wake=False)
+    assert not b._ready.is_set(), "a detail event must not wake the writer"
+    b.put_nowait("detail-3", wake=False)
+    assert b._ready.is_set(), "a buffer filled to wake_at must wake the writer"
+    b._ready.clear()
+    b.put_nowait("step")
+    assert b._ready.is_set()
+    with pytest.raises(queue.Full):
+        b.put_nowait("one too many", wake=False)
+    t0 = time.monotonic()
+    with pytest.raises(queue.Full):
+        b.put("essential", timeout=0.05)
+    assert time.monotonic() - t0 >= 0.05
+    assert [b.get(timeout=0) for _ in range(4)] == ["detail-1", "detail-2", "detail-3", "step"]
+    with pytest.raises(queue.Empty):
+        b.get(timeout=0.01)
+    with pytest.raises(queue.Empty):
+        b.get_nowait()

@@ -170,6 +170,7 @@ class Engine:
         self._pass_open = False  # a forward/backward pass is under way along the trace
 
         # 3. open NVMe stores, move every shard to its homes, free the model's own copies
+        self._run_started = False  # set-up I/O (the first write of every home) is not a step's
         try:
             self._open_stores()
             self._home_all()
@@ -181,6 +182,7 @@ class Engine:
         self._losses: list[float] = []
         if self.recorder.enabled:
             self._emit_run_started()
+            self._run_started = True
 
     # ------------------------------------------------------------------ set-up helpers
     @staticmethod
@@ -703,6 +705,8 @@ class Engine:
         return group
 
     def _on_io(self, op: str, key: str, nbytes: int, seconds: float) -> None:
+        if not self._run_started:
+            return
         index, _, what = key.partition(".")
         aio = self.config.aio
         self.recorder.emit(

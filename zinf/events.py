@@ -35,7 +35,7 @@ class ShardInfo:
 
     name: str
     module: str  # the module that owns the first member parameter ("" for the root)
-    kind: str  # "param" (one large parameter), "chunk" (packed small ones), "frozen", "expert"
+    kind: str  # "param" (one large parameter), "chunk" (packed small ones), "frozen", "expert", "embedding"
     numel: int
     param_bytes: int  # bytes of the working copy in the compute dtype
     optim_bytes: int  # bytes of master + optimizer moments (fp32); 0 for frozen shards

@@ -64,11 +64,16 @@ class Shard:
         return self.members[0].name.rpartition(".")[0]
 
 
-def _kind_of(name: str, trainable: bool, packed: bool) -> str:
+def _kind_of(name: str, trainable: bool, packed: bool, embedding: bool = False) -> str:
+    """What the profile and planner call a shard: frozen (no grad, no optimizer state), expert
+    (accessed only when routed to), embedding (an ``nn.Embedding`` table, possibly tied to the
+    output head), else a packed chunk or a parameter of its own."""
     if not trainable:
         return "frozen"
     if ".experts." in f".{name}":
         return "expert"
+    if embedding:
+        return "embedding"
     return "chunk" if packed else "param"
 
 
@@ -96,6 +101,7 @@ def build_shards(
         names_of[id(p)].append(name)
     if not params:
         raise ModelError("the model has no parameters; zinf has nothing to place or train")
+    embedding_tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
     shards: list[Shard] = []
     open_chunk: Shard | None = None
@@ -112,7 +118,8 @@ def build_shards(
         nbytes = p.numel() * param_bytes_per_elem
         pin = pin_for(names[0])
         if nbytes >= shard_min_bytes:
-            s = new_shard(_kind_of(names[0], p.requires_grad, packed=False), names[0], pin)
+            kind = _kind_of(names[0], p.requires_grad, packed=False, embedding=id(p) in embedding_tables)
+            s = new_shard(kind, names[0], pin)
             s.members.append(Member(p, names, 0, p.numel(), p.shape, index))
             continue
         key = (p.requires_grad, pin)
