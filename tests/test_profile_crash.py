@@ -157,7 +157,10 @@ def test_sigkill_mid_run_keeps_every_flushed_step(tmp_path):
     torch.manual_seed(0)
     model, cfg = build_model("gpt", "tiny", n_layer=2, block_size=32)
     batches = TokenBatches(markov_tokens(cfg.vocab_size, 20_000, seed=0), 2, 32, seed=0)
-    with zinf.initialize(model, train_config(url, tmp_path / "nvme2", "second")) as engine:
+    config = train_config(url, tmp_path / "nvme2", "second")
+    config["zinf"]["profiler"].update(flush_interval_s=0.2, heartbeat_s=1.5)
+    with zinf.initialize(model, config) as engine:
+        assert (engine.recorder.flush_interval_s, engine.recorder.heartbeat_s) == (0.2, 1.5)  # config reaches it
         for i in range(3):
             x, y = batches.get(i)
             engine.backward(engine(x, y))

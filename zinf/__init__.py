@@ -33,7 +33,8 @@ def initialize(model, config: Config | dict | str | os.PathLike | None = None, *
         from profiler import Recorder as DbRecorder
 
         prof = cfg.zinf.profiler
-        recorder = DbRecorder(prof.db, detail=prof.detail, window_steps=prof.window_steps)
+        recorder = DbRecorder(prof.db, detail=prof.detail, window_steps=prof.window_steps,
+                              flush_interval_s=prof.flush_interval_s, heartbeat_s=prof.heartbeat_s)
     try:
         return Engine(model, cfg, recorder=recorder)
     except BaseException:

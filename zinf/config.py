@@ -609,6 +609,14 @@ class ProfilerConfig(_Section):
     window_steps: int = Field(1, ge=1)
     """Steps aggregated into one recorded sample."""
 
+    flush_interval_s: float = Field(0.5, ge=0)
+    """Seconds between commits of pending rows: a killed process loses at most the steps that
+    ended in the last interval, plus the step under way."""
+
+    heartbeat_s: float = Field(5.0, gt=0)
+    """Seconds between updates of ``runs.last_heartbeat`` while a run lives (readers on other
+    hosts call a run crashed when its heartbeat is much older)."""
+
     @field_validator("db")
     @classmethod
     def _url(cls, value: str) -> str:
