@@ -90,7 +90,7 @@ def zinf_config(model, swap: Path, batch: int, overlap: bool, dram_fraction: flo
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2},
         # state = fp32 param + grad + master + exp_avg + exp_avg_sq = 20 bytes per parameter
-        "zinf": {"dram_budget": int(dram_fraction * 20 * n)},
+        "zinf": {"dram_budget": int(dram_fraction * 20 * n), "device": "cpu"},  # CPU compute, as the plain-PyTorch yardstick
     }
     if not overlap:
         cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
