@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from zinf.errors import ConfigError
+from zinf.errors import ConfigError, ModelError
 from zinf.models import PRESETS, build_model, freeze
 from zinf.models.data import TokenBatches, classification_batches, markov_tokens, zipf_tokens
-from zinf.models.moe import expected_experts
+from zinf.models.moe import expected_experts, expert_load, expert_ranking, routing_table, set_routing
 
 
 def _batch(name, cfg, batch_size=4, seed=0):
@@ -194,9 +194,142 @@ def test_zipf_tokens_skew_moe_routing():
     freq = torch.bincount(tokens, minlength=256).float() / tokens.numel()
     assert 0.2 < freq[0] < 0.3 and freq[0] > 10 * freq[50]
     _, cfg = build_model("moe", "tiny", router="fixed")
-    from zinf.models.moe import routing_table
     load = torch.bincount(routing_table(cfg)[0, tokens, 0], minlength=cfg.n_experts).float()
     assert load.max() / load.mean() > 1.5  # skewed expert load
+
+
+def test_moe_fixed_table_is_unchanged():
+    """The "fixed" router's table is the formula it always was (the zipf router left it alone)."""
+    _, cfg = build_model("moe", "tiny", router="fixed", top_k=2, routing_seed=5)
+    gen = torch.Generator().manual_seed(5)
+    want = torch.rand(cfg.n_layer, cfg.vocab_size, cfg.n_experts, generator=gen).argsort(dim=-1)[..., :2]
+    assert torch.equal(routing_table(cfg), want)
+
+
+# ------------------------------------------------------------------ MoE zipf router
+def _ceil_quarter(n: int) -> int:
+    return -(-n // 4)
+
+
+def test_moe_zipf_shares_follow_the_skew():
+    _, cfg = build_model("moe", "tiny", router="zipf", n_experts=8, routing_skew=1.2)
+    ranking = expert_ranking(cfg)  # (L, E), hottest first
+    w = torch.arange(1, 9, dtype=torch.float64).pow(-1.2)
+    zipf_share = w / w.sum()  # 0.43, 0.19, ..., 0.035 by rank
+    # over the token ids, each expert's share is the Zipf share of its rank (up to rounding)
+    share = expert_load(cfg, torch.arange(cfg.vocab_size)).double() / cfg.vocab_size  # (L, E)
+    for layer in range(cfg.n_layer):
+        assert torch.allclose(share[layer, ranking[layer]], zipf_share, atol=1.0 / cfg.vocab_size)
+        assert share[layer].max() > 3 * (1 / cfg.n_experts)  # the hottest: ~3.4x uniform
+        assert ranking[layer].tolist() != list(range(cfg.n_experts))  # popularity is not model order
+        assert 0 not in ranking[layer, :2].tolist()  # expert 0 is not in the hottest quarter
+    # on real (Markov) data too: the hottest expert by design is the most loaded, ~2x+ uniform
+    load = expert_load(cfg, markov_tokens(cfg.vocab_size, 50_000, seed=0)).double()
+    load /= load.sum(dim=1, keepdim=True)
+    for layer in range(cfg.n_layer):
+        assert load[layer].argmax() == ranking[layer, 0]
+        assert load[layer].max() > 2 / cfg.n_experts
+    # a larger exponent concentrates more; 0 is uniform
+    _, hot = build_model("moe", "tiny", router="zipf", n_experts=8, routing_skew=2.0)
+    _, flat = build_model("moe", "tiny", router="zipf", n_experts=8, routing_skew=0.0)
+    ids = torch.arange(cfg.vocab_size)
+    assert expert_load(hot, ids).max() > expert_load(cfg, ids).max()
+    assert expert_load(flat, ids).tolist() == [[32] * 8] * cfg.n_layer
+
+
+@pytest.mark.parametrize("n_experts,top_k", [(2, 1), (4, 1), (8, 2), (16, 1), (5, 3)])
+def test_moe_zipf_expert_zero_is_never_hot(n_experts, top_k):
+    for seed in range(25):
+        _, cfg = build_model("moe", "tiny", router="zipf", n_experts=n_experts, top_k=top_k, routing_seed=seed)
+        ranking = expert_ranking(cfg)
+        assert (ranking[:, : _ceil_quarter(n_experts)] != 0).all(), (seed, ranking)
+        assert sorted(ranking[0].tolist()) == list(range(n_experts))
+        table = routing_table(cfg)  # (L, V, k): each token's k experts are distinct
+        assert table.shape == (cfg.n_layer, cfg.vocab_size, top_k)
+        assert all(len(set(row)) == top_k for row in table.reshape(-1, top_k).tolist())
+
+
+def test_moe_zipf_top_k_caps_an_expert_at_one_slot_per_token():
+    _, cfg = build_model("moe", "tiny", router="zipf", n_experts=4, top_k=3, routing_skew=2.0)
+    load = expert_load(cfg, torch.arange(cfg.vocab_size))
+    assert (load.sum(dim=1) == 3 * cfg.vocab_size).all()
+    assert load.max() == cfg.vocab_size  # the hottest experts take every token
+    assert (load[torch.arange(cfg.n_layer), expert_ranking(cfg)[:, 0]] == cfg.vocab_size).all()
+
+
+def test_moe_zipf_is_deterministic_and_seeded():
+    def build(seed, torch_seed):
+        torch.manual_seed(torch_seed)  # the model's init, not the routing
+        model, cfg = build_model("moe", "tiny", router="zipf", n_experts=8, routing_seed=seed)
+        return model, cfg
+
+    (m1, c1), (m2, c2), (m3, c3) = build(3, 0), build(3, 1), build(4, 0)
+    assert torch.equal(expert_ranking(c1), expert_ranking(c2)) and torch.equal(routing_table(c1), routing_table(c2))
+    for b1, b2 in zip(m1.blocks, m2.blocks):
+        assert torch.equal(b1.moe.routing_table, b2.moe.routing_table)
+        assert b1.moe.router is None  # no router parameters
+    assert not torch.equal(routing_table(c1), routing_table(c3))
+    # building a zipf model draws nothing from torch's global RNG: same params as a "fixed" one
+    torch.manual_seed(0)
+    fixed, _ = build_model("moe", "tiny", router="fixed", n_experts=8)
+    for p, q in zip(m1.parameters(), fixed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_moe_zipf_idle_experts_get_no_grad():
+    torch.manual_seed(0)
+    model, cfg = build_model("moe", "tiny", router="zipf", n_experts=16)
+    x, y = TokenBatches(markov_tokens(cfg.vocab_size, 5_000, seed=0), 1, 16, seed=0).get(0)
+    model(x, y).backward()
+    expected = expected_experts(model, x)
+    assert _expert_grads(model) == expected
+    assert all(len(hit) < cfg.n_experts for hit in expected.values())  # 16 tokens: some idle
+    ranking = expert_ranking(cfg)
+    assert all(int(ranking[layer, 0]) in hit for layer, hit in expected.items())  # the hottest is hit
+    for layer, hit in expected.items():
+        for e in set(range(cfg.n_experts)) - hit:
+            assert all(p.grad is None for p in model.blocks[layer].moe.experts[e].parameters())
+
+
+def test_set_routing_moves_the_hot_set():
+    torch.manual_seed(0)
+    model, cfg = build_model("moe", "tiny", router="zipf", n_experts=8, n_layer=4)
+    hot_before = [set(r[:2].tolist()) for r in expert_ranking(model.config)]
+    params_before = [p.detach().clone() for p in model.parameters()]
+    new = set_routing(model, seed=7)
+    assert model.config is new and new.routing_seed == 7 and new.routing_skew == cfg.routing_skew
+    hot_after = [set(r[:2].tolist()) for r in expert_ranking(model.config)]
+    assert hot_after != hot_before
+    for layer, block in enumerate(model.blocks):  # the buffers are the new config's tables
+        assert torch.equal(block.moe.routing_table, routing_table(new)[layer])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params_before))
+    # training after the switch follows the new table
+    x, y = _batch("moe", new, batch_size=1)
+    model(x[:, :16], y[:, :16]).backward()
+    assert _expert_grads(model) == expected_experts(model, x[:, :16]) == expected_experts(new, x[:, :16])
+    # back to the first seed: the first tables again; skew 0: uniform
+    set_routing(model, seed=cfg.routing_seed)
+    assert torch.equal(model.blocks[0].moe.routing_table, routing_table(cfg)[0])
+    set_routing(model, skew=0.0)
+    assert expert_load(model, torch.arange(cfg.vocab_size)).tolist() == [[32] * 8] * 4
+
+
+def test_set_routing_errors():
+    learned, _ = build_model("moe", "tiny")
+    with pytest.raises(ConfigError, match="router"):
+        set_routing(learned, seed=1)
+    fixed, _ = build_model("moe", "tiny", router="fixed")
+    set_routing(fixed, seed=1)  # a fixed table can be redrawn ...
+    with pytest.raises(ConfigError, match="zipf"):
+        set_routing(fixed, skew=2.0)  # ... but it has no skew
+    zipf, _ = build_model("moe", "tiny", router="zipf")
+    with pytest.raises(ConfigError, match="routing_skew"):
+        set_routing(zipf, skew=-1.0)
+    gpt, _ = build_model("gpt", "tiny")
+    with pytest.raises(ModelError, match="MoETransformer"):
+        set_routing(gpt, seed=1)
+    with pytest.raises(ConfigError, match="routing_skew"):
+        build_model("moe", "tiny", router="zipf", routing_skew=float("nan"))
 
 
 # ------------------------------------------------------------------ determinism
@@ -334,6 +467,7 @@ NO_INPUT_GRAD_WARNING = "ignore:Full backward hook is firing"
 @pytest.mark.parametrize("name,overrides,frozen", [
     ("gpt", {}, None), ("gpt", {"tie_weights": False, "bias": False}, None), ("gpt", {}, "blocks.0."),
     ("moe", {"router": "fixed"}, None), ("moe", {"top_k": 2, "aux_loss_coef": 0.01}, None),
+    ("moe", {"router": "zipf", "n_experts": 16}, None),
     ("encoder", {"n_layer": 3}, None), ("encoder", {"n_layer": 3}, "embeddings."),
 ])
 def test_every_parameter_is_used_only_by_its_owner(name, overrides, frozen):

@@ -27,10 +27,15 @@ technique FSDP2 uses, so tensors autograd saved in forward see the data again in
 Where an fp32 working copy and the fp32 master would hold the same bytes (fp32 training on the
 CPU), one copy serves both: in DRAM one tensor, on NVMe one file (the ``master`` file is what
 forward reads).
+
+4. **Between steps.** :meth:`Engine.migrate` moves homes between DRAM and NVMe (write the new
+   home, make it durable, verify it, switch, free the old one); a ``controller`` set on the engine
+   is asked for moves after every optimizer step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -38,6 +43,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,16 +54,37 @@ from torch.profiler import record_function
 
 from zinf import events as ev
 from zinf.config import Config, load_config
-from zinf.errors import ConfigError, ModelError
+from zinf.errors import ConfigError, CorruptShardError, ModelError
 from zinf.hardware import describe, rss_bytes
 from zinf.optim import OptimizerSpec, clip_coefficient
 from zinf.pins import PinSet
-from zinf.placement import DramNeed, ShardPlacement, check_budget, static_placement
+from zinf.placement import (
+    DramNeed,
+    MigrationReport,
+    Move,
+    PlacementController,
+    ShardPlacement,
+    check_budget,
+    fmt_bytes,
+    static_placement,
+)
 from zinf.prefetch import Prefetcher
 from zinf.shards import Member, Shard, build_shards
 from zinf.storage.aligned import BufferPool
 
 log = logging.getLogger("zinf")
+
+
+def _span(name: str):
+    """``record_function(name)`` while the torch profiler records, else nothing (entering one costs
+    ~10 us even when no profiler runs)."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+def _same_bytes(a: Tensor, b: Tensor) -> bool:
+    """Bitwise equality of two contiguous tensors (NaNs included, unlike torch.equal)."""
+    return a.dtype == b.dtype and a.numel() == b.numel() and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 class ParamState(enum.Enum):
@@ -108,7 +135,8 @@ class Engine:
     ``step()`` after every micro-batch.
     """
 
-    def __init__(self, model: nn.Module, config: Config | dict | str | os.PathLike | None = None, *, recorder: ev.Recorder | None = None):
+    def __init__(self, model: nn.Module, config: Config | dict | str | os.PathLike | None = None, *,
+                 recorder: ev.Recorder | None = None, controller: PlacementController | None = None):
         if not isinstance(model, nn.Module):
             raise ModelError(f"zinf.initialize needs a torch.nn.Module, got {type(model).__name__}")
         self.config = cfg = load_config(config)
@@ -130,11 +158,15 @@ class Engine:
         self._backward_held: list[ShardState] = []  # shards acquired by backward pre-hooks
         self.traffic_total = _Traffic()  # bytes moved per tier since initialize
         self.last_step: dict = {}  # phase timings of the last optimizer step
+        self.controller = controller  # asked for migrations after every optimizer step (None: never)
+        self.last_migration: MigrationReport | None = None  # outcome of the last migrate call
+        self._controller_warnings: set[str] = set()  # messages of controller failures already logged
+        self._window_open = False  # a forward (with grad) or backward ran since the last boundary
 
         # 1. shards and their placement
         zero = cfg.zero_optimization
-        param_pins = PinSet.from_config(zero.offload_param.module_parameters)
-        optim_pins = PinSet.from_config(zero.offload_optimizer.module_parameters)
+        self._param_pins = param_pins = PinSet.from_config(zero.offload_param.module_parameters)
+        self._optim_pins = optim_pins = PinSet.from_config(zero.offload_optimizer.module_parameters)
         self.shards: list[Shard] = build_shards(
             model,
             param_bytes_per_elem=torch.empty((), dtype=self.dtype).element_size(),
@@ -144,6 +176,7 @@ class Engine:
         )
         placements = static_placement(self.shards, cfg, optim_pin_for=optim_pins.tier_for_param)
         self.states = [ShardState(s, p, steps=[0] * len(s.members)) for s, p in zip(self.shards, placements)]
+        self._state_by_name = {st.name: st for st in self.states}
         self._member_of: dict[int, tuple[ShardState, int]] = {
             id(m.param): (st, i) for st in self.states for i, m in enumerate(st.shard.members)
         }
@@ -159,10 +192,7 @@ class Engine:
         self._stats_lock = threading.Lock()
         self._buffers = BufferPool(max_free_bytes=self.overlap.total_bytes + self._largest_nvme_group_bytes(),
                                    pin=self.device.type == "cuda")
-        elem_bytes = torch.empty((), dtype=self.dtype).element_size()
-        self._prefetcher = Prefetcher(self._start_param_read, self._param_read_bytes, self._discard_read,
-                                      window_bytes=self.overlap.prefetch_bytes,
-                                      reuse_distance_bytes=zero.stage3_max_reuse_distance * elem_bytes)
+        self._prefetcher = self._new_prefetcher()
         self._writes = _WriteWindow(self.overlap.write_bytes)
         self._eager = ThreadPoolExecutor(1, thread_name_prefix="zinf-optim") if self.overlap.eager else None
         self._eager_futures: list[Future] = []
@@ -215,14 +245,16 @@ class Engine:
             return param, 0, 0
         return param, n * 4 * (1 + len(self.optimizer.state_names)), n * 4
 
-    def _aliases_master(self, st: ShardState) -> bool:
-        """fp32 working copy and master in the same DRAM: one tensor serves both."""
+    def _aliases_master(self, st: ShardState, place: ShardPlacement | None = None) -> bool:
+        """fp32 working copy and master in the same DRAM: one tensor serves both. ``place``:
+        judge that placement instead of the shard's current one."""
+        place = place or st.place
         return (
             st.shard.trainable
             and self.dtype == torch.float32
             and self.device.type == "cpu"
-            and st.place.param in ("gpu", "cpu")
-            and st.place.optim in ("gpu", "cpu")
+            and place.param in ("gpu", "cpu")
+            and place.optim in ("gpu", "cpu")
         )
 
     def _dram_need(self) -> DramNeed:
@@ -320,33 +352,54 @@ class Engine:
         return Overlap(write_bytes=write, read_ahead_bytes=read_ahead, eager_bytes=eager, prefetch_bytes=prefetch,
                        eager=eager > 0)
 
-    def _open_stores(self) -> None:
+    def _new_prefetcher(self, stats=None) -> Prefetcher:
+        """A prefetcher that records its trace in the next pass (``stats`` carried over, if given)."""
+        elem_bytes = torch.empty((), dtype=self.dtype).element_size()
+        prefetcher = Prefetcher(self._start_param_read, self._param_read_bytes, self._discard_read,
+                                window_bytes=self.overlap.prefetch_bytes,
+                                reuse_distance_bytes=self.config.zero_optimization.stage3_max_reuse_distance * elem_bytes)
+        if stats is not None:
+            prefetcher.stats = stats
+        return prefetcher
+
+    def _nvme_root(self, role: str) -> Path:
+        """The swap directory configured for ``role`` ("param" or "optim")."""
+        path = self.config.param_nvme_path if role == "param" else self.config.optim_nvme_path
+        return Path(path).expanduser().absolute()
+
+    def _open_store(self, role: str):
+        """The NVMe store of ``role``, opened on first need (at start, or when a migration first
+        puts a home of that role on NVMe); roles with the same directory share one store."""
+        store = self._stores.get(role)
+        if store is not None:
+            return store
         from zinf.storage.nvme import NvmeStore
 
         cfg = self.config
         aio = cfg.aio
-        paths = {}
-        if any(st.place.param == "nvme" for st in self.states):
-            paths["param"] = cfg.param_nvme_path
-        if any(st.place.optim == "nvme" for st in self.states):
-            paths["optim"] = cfg.optim_nvme_path
-        by_path: dict[Path, object] = {}
-        for role, path in paths.items():
-            path = Path(path).expanduser().absolute()
-            if path not in by_path:
-                by_path[path] = NvmeStore(
-                    path,
-                    run_name=f"{self.run_name}-{len(by_path)}" if by_path else self.run_name,
-                    block_size=aio.block_size,
-                    queue_depth=aio.queue_depth,
-                    thread_count=aio.thread_count,
-                    pin_memory=self.device.type == "cuda",
-                    staging_bytes=cfg.zinf.staging_buffer_size,
-                    staging_count=cfg.zinf.staging_buffers,
-                    spare_bytes=self._spare_bytes(),
-                    listener=self._on_io if self.recorder.enabled else None,
-                )
-            self._stores[role] = by_path[path]
+        root = self._nvme_root(role)
+        store = next((s for r, s in self._stores.items() if self._nvme_root(r) == root), None)
+        if store is None:
+            n_open = len({id(s) for s in self._stores.values()})
+            store = NvmeStore(
+                root,
+                run_name=f"{self.run_name}-{n_open}" if n_open else self.run_name,
+                block_size=aio.block_size,
+                queue_depth=aio.queue_depth,
+                thread_count=aio.thread_count,
+                pin_memory=self.device.type == "cuda",
+                staging_bytes=cfg.zinf.staging_buffer_size,
+                staging_count=cfg.zinf.staging_buffers,
+                spare_bytes=self._spare_bytes(),
+                listener=self._on_io if self.recorder.enabled else None,
+            )
+        self._stores[role] = store
+        return store
+
+    def _open_stores(self) -> None:
+        for role in ("param", "optim"):
+            if any(getattr(st.place, role) == "nvme" for st in self.states):
+                self._open_store(role)
         needed = {"param": 0, "optim": 0}
         for st in self.states:
             pb, ob, gb = self._nbytes(st)
@@ -367,15 +420,16 @@ class Engine:
         swap = sum(sum(self._nbytes(st)) for st in self.states if "nvme" in (st.place.param, st.place.optim))
         return max(4 * largest, min(256 << 20, swap // 4))
 
-    def _param_file_is_master(self, st: ShardState) -> bool:
-        """fp32 working copy and fp32 master both on NVMe, in one store: one file serves both."""
+    def _param_file_is_master(self, st: ShardState, place: ShardPlacement | None = None) -> bool:
+        """fp32 working copy and fp32 master both on NVMe, in one store: one file serves both.
+        ``place``: judge that placement instead of the shard's current one."""
+        place = place or st.place
         return (
             st.shard.trainable
             and self.dtype == torch.float32
-            and st.place.param == "nvme"
-            and st.place.optim == "nvme"
-            and Path(self.config.param_nvme_path).expanduser().absolute()
-            == Path(self.config.optim_nvme_path).expanduser().absolute()
+            and place.param == "nvme"
+            and place.optim == "nvme"
+            and self._nvme_root("param") == self._nvme_root("optim")
         )
 
     def _param_key(self, st: ShardState) -> str:
@@ -410,15 +464,20 @@ class Engine:
             else:
                 home = flat.to(self.dtype) if self.dtype != torch.float32 else flat.clone()
                 st.param_home = home.to(self.device) if st.place.param == "gpu" else home
-            resident = st.place.param == "gpu" or (st.place.param == "cpu" and self.device.type == "cpu")
-            for m in shard.members:
-                if resident:
-                    m.param.data = st.param_home[m.offset : m.offset + m.numel].view(m.shape)
-                else:
-                    m.param.data = torch.empty(m.shape, dtype=self.dtype, device=self.device)
-                    m.param.untyped_storage().resize_(0)
-            st.param_state = ParamState.RESIDENT if resident else ParamState.FREED
+            self._point_params(st)
             del flat
+
+    def _point_params(self, st: ShardState) -> None:
+        """Make the model's parameters of ``st`` views of its param home when that home is on
+        the compute device (resident), else empty tensors refilled at each use (freed)."""
+        resident = st.place.param == "gpu" or (st.place.param == "cpu" and self.device.type == "cpu")
+        for m in st.shard.members:
+            if resident:
+                m.param.data = st.param_home[m.offset : m.offset + m.numel].view(m.shape)
+            else:
+                m.param.data = torch.empty(m.shape, dtype=self.dtype, device=self.device)
+                m.param.untyped_storage().resize_(0)
+        st.param_state = ParamState.RESIDENT if resident else ParamState.FREED
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self, model: nn.Module) -> list:
@@ -725,6 +784,8 @@ class Engine:
             self._free_kept()
             self._prefetcher.begin_pass()
         self._pass_open = True
+        if torch.is_grad_enabled():
+            self._window_open = True  # a backward may follow: no migration until the step ends
         t0 = time.perf_counter()
         with record_function("zinf.forward"):
             out = self.module(*args, **kwargs)
@@ -741,6 +802,7 @@ class Engine:
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise ModelError("engine.backward needs the scalar loss tensor returned by the forward")
         self._losses.append(float(loss.detach()))
+        self._window_open = True
         t0 = time.perf_counter()
         scaled = loss / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
         self._backward_held = []
@@ -767,7 +829,9 @@ class Engine:
             self._optimizer_phase()
         self._step_timer.optimizer_s += time.perf_counter() - t0
         self.global_steps += 1
-        self._end_step()
+        self._window_open = False
+        migration_s = self._consult_controller() if self.controller is not None else 0.0
+        self._end_step(migration_s)
         # The parameters are final for the next step: its first reads may start now (they
         # queue behind the write-backs of the same files).
         self._prefetcher.begin_pass()
@@ -886,7 +950,7 @@ class Engine:
         else:
             st.param_home.copy_(master)
 
-    def _end_step(self) -> None:
+    def _end_step(self, migration_s: float = 0.0) -> None:
         timer = self._step_timer
         wall = timer.stop()
         losses, self._losses = self._losses, []
@@ -900,7 +964,7 @@ class Engine:
                     backward_s=timer.backward_s,
                     optimizer_s=timer.optimizer_s,
                     stall_s=timer.stall_s,
-                    migration_s=0.0,
+                    migration_s=migration_s,
                     loss=sum(losses) / len(losses) if losses else None,
                     read_bytes=dict(self._stats.read),
                     written_bytes=dict(self._stats.written),
@@ -912,9 +976,312 @@ class Engine:
                 )
             )
         self.last_step = timer.snapshot(wall, losses)
+        self.last_step["migration_s"] = migration_s
         self.traffic_total.add(self._stats)
         self._stats = _Traffic()
         self._step_timer = _StepTimer()
+
+    # ------------------------------------------------------------------ migrations
+    def migrate(self, moves: Iterable[Move], *, max_bytes: int | None = None) -> MigrationReport:
+        """Move shards' param or optimizer homes between DRAM ("cpu") and NVMe, between steps.
+
+        Each move writes the new home completely (on NVMe: write-new, fdatasync, atomic switch),
+        verifies it, switches the shard to it, and only then frees the old home; a move that fails
+        on the way leaves the shard in its old home, intact, and is reported refused. Moves run in
+        the given order; once their bytes would pass ``max_bytes`` the rest are deferred. Only at
+        the accumulation boundary (after the ``engine.step()`` that updates, before the next
+        forward); raises ModelError elsewhere, ConfigError for unknown shards or bad moves
+        (before anything moves). The outcome is also kept as ``engine.last_migration``.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        self._check_between_steps()
+        moves = self._validate_moves(moves)
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ConfigError(f"migrate's max_bytes must be None or a byte count >= 0, got {max_bytes!r}")
+        report = MigrationReport()
+        if moves:
+            self._drain()  # nothing in flight may read or write a home that is about to move
+        try:
+            for move in moves:
+                self._migrate_one(move, report, max_bytes)
+        finally:  # also when interrupted: what was done is switched and must be served right
+            if report.done:
+                self._resize_after_migration(new_trace=any(m.state == "param" for m in report.done))
+            if self._pass_open == "fresh":
+                self._prefetcher.begin_pass()  # the reads _drain cancelled, now from the new homes
+            report.seconds = time.perf_counter() - t0
+            self.last_migration = report
+        return report
+
+    def _migrate_one(self, move: Move, report: MigrationReport, max_bytes: int | None) -> None:
+        """Make one move, or record in ``report`` why not (refused, or deferred: the byte budget
+        ran out, at this move or an earlier one)."""
+        st = self._state_by_name[move.shard]
+        src = getattr(st.place, move.state)
+        if src == move.dst:
+            return  # already there: a no-op, not counted
+        why = self._refusal(st, move, src)
+        if why is not None:
+            report.refused.append((move, why))
+            return
+        new = ShardPlacement(**{**st.place.as_dict(), move.state: move.dst})
+        nbytes = self._added_bytes(st, new)
+        if report.deferred or (max_bytes is not None and report.bytes_moved + nbytes > max_bytes):
+            report.deferred.append(move)
+            return
+        why = self._over_dram_budget(st, new)
+        if why is not None:
+            report.refused.append((move, why))
+            return
+        t0 = time.perf_counter()
+        try:
+            with _span(f"zinf.migrate.{move.state}.{src}_to_{move.dst}"):
+                self._relocate(st, new)
+        except Exception as e:  # the shard is still in its old home (see _relocate)
+            why = f"{type(e).__name__}: {e}; {st.name} stays in its {src} home"
+            log.warning("migration of %s %s to %s failed: %s", st.name, move.state, move.dst, why)
+            report.refused.append((move, why))
+            return
+        seconds = time.perf_counter() - t0
+        report.done.append(move)
+        report.bytes_moved += nbytes
+        if self.recorder.enabled:
+            self.recorder.emit(ev.ShardMigrated(self.global_steps, st.name, move.state, src, move.dst, nbytes, seconds))
+
+    def _check_between_steps(self) -> None:
+        """Raise unless no micro-batch of an accumulation window is under way."""
+        if self._in_backward or self._window_open or self.micro_steps % self.gradient_accumulation_steps:
+            raise ModelError(
+                f"engine.migrate may only be called between optimizer steps (after the engine.step() that ends "
+                f"an accumulation window of {self.gradient_accumulation_steps}, before the next forward); "
+                f"micro-batch {self.micro_steps % self.gradient_accumulation_steps + 1} is under way")
+
+    def _validate_moves(self, moves: Iterable[Move] | None) -> list[Move]:
+        """``moves`` as a list of Move (3-tuples accepted), every shard name known."""
+        if moves is None:
+            return []
+        if isinstance(moves, (Move, str)):
+            moves = [moves]
+        out: list[Move] = []
+        for m in moves:
+            if not isinstance(m, Move):
+                if not (isinstance(m, (tuple, list)) and len(m) == 3):
+                    raise ConfigError(f"migrate takes zinf.placement.Move(shard, state, dst) items, got {m!r}")
+                m = Move(*m)
+            if m.shard not in self._state_by_name:
+                some = ", ".join(repr(n) for n in list(self._state_by_name)[:3])
+                raise ConfigError(f"migrate: unknown shard {m.shard!r}; shard names are the keys of "
+                                  f"engine.placement ({len(self.states)} shards, e.g. {some})")
+            out.append(m)
+        return out
+
+    def _refusal(self, st: ShardState, move: Move, src: str) -> str | None:
+        """Why ``move`` may never be made in this engine (None: it may)."""
+        if "gpu" in (src, move.dst):
+            return "gpu-tier migrations are not supported yet"
+        if move.state == "optim" and not st.shard.trainable:
+            return f"{st.name} is frozen (requires_grad=False): it has no optimizer home to move"
+        pins, section = (self._param_pins, "offload_param") if move.state == "param" else (self._optim_pins, "offload_optimizer")
+        pin = pins.match(st.shard.members[0].name.rpartition(".")[0])
+        if pin is not None:
+            return f"pinned by module_parameters {pin.pattern!r} (zero_optimization.{section}) to {pin.tier}"
+        return None
+
+    def _over_dram_budget(self, st: ShardState, new: ShardPlacement) -> str | None:
+        """Why placing ``st`` at ``new`` would break ``zinf.dram_budget`` (None: it fits), by the
+        DRAM need initialize checks (homes + working set + staging; the overlap buffers are sized
+        from what is left afterwards, as at start)."""
+        budget = self.config.zinf.dram_budget
+        if budget is None:
+            return None
+        old, st.place = st.place, new
+        try:
+            need = self._dram_need()
+        finally:
+            st.place = old
+        if need.total_bytes <= budget:
+            return None
+        return (f"over the DRAM budget: the placement would need {fmt_bytes(need.total_bytes)} of DRAM, "
+                f"zinf.dram_budget is {fmt_bytes(budget)}; move other homes to nvme first or raise the budget")
+
+    # A shard's homes, as (tier, what): "what" is "param" (the working copy, compute dtype),
+    # "master" or an optimizer state name (fp32). Aliased homes (the DRAM master that is also the
+    # fp32 working copy; the NVMe master file that is also the param file) are listed once.
+    def _homes(self, st: ShardState, place: ShardPlacement) -> list[tuple[str, str]]:
+        homes = []
+        if not self._aliases_master(st, place) and not self._param_file_is_master(st, place):
+            homes.append((place.param, "param"))
+        if st.shard.trainable:
+            names = ("master", *self.optimizer.state_names) if st.has_moments else ("master",)
+            homes += [(place.optim, name) for name in names]
+        return homes
+
+    def _home_bytes(self, st: ShardState, what: str) -> int:
+        return self._nbytes(st)[0] if what == "param" else st.shard.numel * 4
+
+    def _added_bytes(self, st: ShardState, new: ShardPlacement) -> int:
+        """Bytes a move to ``new`` copies: those of the homes ``new`` has and the current lacks."""
+        old = self._homes(st, st.place)
+        return sum(self._home_bytes(st, what) for tier, what in self._homes(st, new) if (tier, what) not in old)
+
+    def _relocate(self, st: ShardState, new: ShardPlacement) -> None:
+        """Give ``st`` the placement ``new``: write the homes it adds (durable and verified),
+        switch to them, then free the homes it drops. If anything before the switch raises, the
+        new copies are removed and the shard is untouched in its old homes."""
+        old = st.place
+        old_homes, new_homes = self._homes(st, old), self._homes(st, new)
+        added = [h for h in new_homes if h not in old_homes]
+        dropped = [h for h in old_homes if h not in new_homes]
+        written: list[tuple[object, str]] = []  # (store, key) of new NVMe files, for the undo
+        copies: dict[str, Tensor] = {}  # what -> its new DRAM (or device) home
+        try:
+            for role in ("param", "optim"):
+                if getattr(new, role) == "nvme":
+                    self._open_store(role)  # also when no file is written (the master file serves)
+            nvme_bytes = {}
+            for tier, what in added:
+                if tier == "nvme":
+                    role = "param" if what == "param" else "optim"
+                    nvme_bytes[role] = nvme_bytes.get(role, 0) + self._home_bytes(st, what)
+            for role, nbytes in nvme_bytes.items():
+                self._stores[role].check_space(nbytes)
+            for tier, what in added:
+                src, fresh = self._home_content(st, what)
+                if tier == "nvme":
+                    store = self._stores["param" if what == "param" else "optim"]
+                    written.append((store, st.key(what)))
+                    self._write_verified(store, st.key(what), src)
+                else:
+                    copies[what] = self._dram_copy(src, tier, fresh)
+        except BaseException:
+            for store, key in written:
+                try:
+                    store.delete(key)
+                except Exception as e:  # a leftover file under a key nobody reads: harmless
+                    log.warning("could not remove %s after a failed migration: %s", key, e)
+            raise
+        self._switch(st, new, copies)
+        self._free_homes(st, dropped)
+
+    def _home_content(self, st: ShardState, what: str) -> tuple[Tensor, bool]:
+        """The current value of ``what`` from the shard's current homes, and whether the tensor
+        is a fresh read (True) or a home's own tensor (False, must not be handed on)."""
+        place = st.place
+        if what == "param":
+            if self._aliases_master(st):
+                return st.master, False
+            if self._param_file_is_master(st):
+                return self._stores["optim"].read(st.key("master")), True
+            if place.param == "nvme":
+                return self._stores["param"].read(st.key("param")), True
+            return st.param_home, False
+        if place.optim == "nvme":
+            return self._stores["optim"].read(st.key(what)), True  # checksum verified
+        return (st.master if what == "master" else st.moments[what]), False
+
+    def _write_verified(self, store, key: str, t: Tensor) -> None:
+        """Write ``t`` durably under ``key``, read it back (checksum) and compare it bit for bit."""
+        store.write(key, t)  # write-new -> fdatasync -> atomic switch
+        nbytes = t.numel() * t.element_size()
+        buffer = self._buffers.get(nbytes)
+        try:
+            back = store.read(key, out=buffer[:nbytes].view(t.dtype))
+            if not _same_bytes(back, t.reshape(-1)):
+                raise CorruptShardError(f"{store.path(key)} read back differs from what was written")
+        finally:
+            self._buffers.put(buffer)
+
+    def _dram_copy(self, src: Tensor, tier: str, fresh: bool) -> Tensor:
+        """A new home on ``tier`` ("cpu": DRAM, "gpu": the compute device) holding ``src``."""
+        device = self.device if tier == "gpu" else torch.device("cpu")
+        if fresh and src.device == device:
+            return src  # a fresh, checksum-verified read: it can be the home itself
+        copy = src.to(device, copy=True)
+        if not _same_bytes(copy.cpu(), src.cpu()):
+            raise RuntimeError("the new DRAM copy differs from its source")
+        return copy
+
+    def _switch(self, st: ShardState, new: ShardPlacement, copies: dict[str, Tensor]) -> None:
+        """Point the catalog (and the model's parameters) at the new homes. Nothing here fails
+        halfway: only references change."""
+        if st.group_reads is not None:  # a read ahead of the old home nobody will use
+            for future in st.group_reads.values():
+                self._discard_read(future)
+            st.group_reads = None
+        old = st.place
+        st.place = new
+        dram = ("gpu", "cpu")
+        if st.shard.trainable and old.optim != new.optim:
+            if new.optim in dram:
+                st.master = copies["master"]
+                st.moments = {n: copies[n] for n in self.optimizer.state_names if n in copies}
+            else:
+                st.master, st.moments = None, {}
+        if self._aliases_master(st):
+            st.param_home = st.master
+        elif new.param == "nvme":
+            st.param_home = None
+        elif "param" in copies:
+            st.param_home = copies["param"]
+        self._point_params(st)
+
+    def _free_homes(self, st: ShardState, dropped: list[tuple[str, str]]) -> None:
+        """Delete the NVMe files of homes the shard left (DRAM homes went with their last
+        reference in _switch). The data is safe in the new home: a failure here only warns."""
+        files: dict[str, str] = {}  # what -> role of its store
+        for tier, what in dropped:
+            if tier == "nvme":
+                files[what] = "param" if what == "param" else "optim"
+        if "master" in files:  # the whole group left: no stale moment or gradient file may stay
+            files.update({name: "optim" for name in (*self.optimizer.state_names, "grad")})
+        for what, role in files.items():
+            try:
+                self._stores[role].delete(st.key(what))
+            except Exception as e:
+                log.warning("migration of %s: could not delete its old file %s: %s", st.name, st.key(what), e)
+
+    def _resize_after_migration(self, new_trace: bool) -> None:
+        """Recompute the DRAM need and the overlap (prefetch window, writes in flight, updates
+        during backward) for the new placement, as initialize would; with ``new_trace`` (param
+        homes moved) the prefetcher records the trace again in the next pass."""
+        self.dram_need = self._dram_need()
+        self.overlap = self._size_overlap(self.config.zinf.dram_budget)
+        self.dram_need.overlap_bytes = self.overlap.total_bytes
+        self._writes = _WriteWindow(self.overlap.write_bytes)  # drained: nothing in flight
+        max_free = self.overlap.total_bytes + self._largest_nvme_group_bytes()
+        if max_free < self._buffers.max_free_bytes:
+            self._buffers.clear()
+        self._buffers.max_free_bytes = max_free
+        if self.overlap.eager and self._eager is None:
+            self._eager = ThreadPoolExecutor(1, thread_name_prefix="zinf-optim")
+        elif not self.overlap.eager and self._eager is not None:
+            self._eager.shutdown(wait=True)
+            self._eager = None
+        if new_trace:
+            self._prefetcher = self._new_prefetcher(self._prefetcher.stats)
+        else:
+            self._prefetcher.window_bytes = self.overlap.prefetch_bytes
+
+    def _consult_controller(self) -> float:
+        """Ask the controller for moves and make them within the per-step byte budget; returns
+        the seconds spent migrating. A failing controller is logged (once per message), never
+        fatal: training goes on without its moves."""
+        try:
+            moves = self._validate_moves(self.controller.after_step(self))
+        except Exception as e:
+            message = f"{type(e).__name__}: {e}"
+            if message not in self._controller_warnings:
+                self._controller_warnings.add(message)
+                log.warning("placement controller %s failed after step %d (%s); training goes on without its moves",
+                            type(self.controller).__name__, self.global_steps, message)
+            self.last_migration = MigrationReport()
+            return 0.0
+        if not moves:
+            self.last_migration = MigrationReport()
+            return 0.0
+        report = self.migrate(moves, max_bytes=self.config.zinf.placement.migration_bytes_per_step)
+        return report.seconds
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -981,6 +1348,7 @@ class Engine:
         self._check_open()
         self._drain()
         load_checkpoint(self, Path(directory))
+        self._window_open = False  # gradients of micro-batches before the load are dropped
         self._prefetcher.begin_pass()  # reads queue behind the restored files
         self._pass_open = "fresh"
 

@@ -12,18 +12,30 @@ The static policies, from the DeepSpeed keys of the config:
   elements in model order keep a DRAM param home, as DeepSpeed documents it;
 * ``module_parameters`` pins (in either offload section) override both for the modules they match.
 
-The DRAM a placement needs is computed analytically (:func:`dram_need`) so that a budget that
-cannot be met is refused at ``initialize`` instead of ending in an out-of-memory kill later.
+The DRAM a placement needs is computed analytically (:class:`DramNeed`, filled in by the engine)
+so that a budget that cannot be met is refused at ``initialize`` instead of ending in an
+out-of-memory kill later.
+
+Between optimizer steps the engine can move homes between DRAM and NVMe (:meth:`Engine.migrate`,
+one :class:`Move` per home, a :class:`MigrationReport` back). A :class:`PlacementController` (the
+planner's, or any object with ``after_step``) proposes such moves after every optimizer step; the
+engine core knows only this interface, never the planner itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from zinf.errors import BudgetError
+from zinf.errors import BudgetError, ConfigError
 from zinf.shards import Shard
 
+if TYPE_CHECKING:  # the engine imports this module; only type checkers need the reverse
+    from zinf.engine import Engine
+
 TIERS = ("gpu", "cpu", "nvme")
+MOVE_STATES = ("param", "optim")  # which home of a shard a Move relocates
 _DEVICE_TO_TIER = {"none": "gpu", "gpu": "gpu", "cpu": "cpu", "nvme": "nvme"}
 
 
@@ -60,6 +72,60 @@ def static_placement(shards: list[Shard], cfg, *, optim_pin_for=lambda name: Non
             optim = "none"
         placed.append(ShardPlacement(param, optim))
     return placed
+
+
+@dataclass(frozen=True)
+class Move:
+    """Relocate one home of one shard: ``state`` "param" (the working copy between uses) or
+    "optim" (fp32 master and optimizer moments) of shard ``shard`` (a name of
+    ``engine.placement``) to tier ``dst`` ("cpu" = DRAM, "nvme" = a swap file).
+
+    Values are checked here so that a bad move fails where it is written, before any move runs;
+    ``dst`` "gpu" is accepted but the engine refuses it (gpu-tier migrations are not supported yet).
+    """
+
+    shard: str
+    state: str
+    dst: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shard, str) or not self.shard:
+            raise ConfigError(f"Move.shard must be a shard name (a key of engine.placement), got {self.shard!r}")
+        if self.state not in MOVE_STATES:
+            raise ConfigError(f"Move.state must be one of {', '.join(map(repr, MOVE_STATES))}, got {self.state!r}")
+        if self.dst not in TIERS:
+            raise ConfigError(f"Move.dst must be one of 'cpu', 'nvme' (or 'gpu', refused for now), got {self.dst!r}")
+
+
+@dataclass
+class MigrationReport:
+    """What :meth:`Engine.migrate` did with the moves it was given (in their order).
+
+    A move to the tier its home already has is a no-op and appears in none of the lists.
+    """
+
+    done: list[Move] = field(default_factory=list)
+    """Moves applied: the new home is written, verified and switched to; the old one is freed."""
+    deferred: list[Move] = field(default_factory=list)
+    """Moves not tried because the byte budget (``max_bytes``) ran out; ask again next step."""
+    refused: list[tuple[Move, str]] = field(default_factory=list)
+    """Moves not applied, with why (pinned, over the DRAM budget, a write failed, ...). A move
+    that failed midway left its shard in the old home, intact."""
+    bytes_moved: int = 0
+    """Bytes copied into new homes by the done moves."""
+    seconds: float = 0.0
+    """Wall-clock seconds of the whole migrate call."""
+
+
+@runtime_checkable
+class PlacementController(Protocol):
+    """Decides migrations between steps. The engine calls :meth:`after_step` once per optimizer
+    step (after the update, before the step is recorded as finished) and migrates what it returns,
+    within ``zinf.placement.migration_bytes_per_step``; ``engine.last_migration`` is the outcome."""
+
+    def after_step(self, engine: "Engine") -> Iterable[Move] | None:
+        """Moves to make now (None or empty: nothing)."""
+        ...
 
 
 @dataclass

@@ -1,0 +1,479 @@
+"""Placement policies under one DRAM budget: all-NVMe, DeepSpeed's ``max_in_cpu``, zinf's adaptive planner.
+
+One command::
+
+    .venv/bin/python benchmarks/planner_policies.py --path DIR [--workload moe|gpt|both]
+        [--budgets 0.2,0.3,0.5] [--policies nvme,max_in_cpu,adaptive] [--steps 8] [--warmup 12]
+        [--rounds 3] [--replan-every 4] [--drift-at STEP] [--quick] [--json FILE]
+
+What is measured, for every (workload, DRAM budget, policy):
+
+* the **median optimizer-step time** (seconds, wall clock around the ``gradient_accumulation_steps``
+  micro-batches of one optimizer step: forward, backward, ``engine.step()``), over the ``--steps``
+  steps after ``--warmup`` steps, pooled over ``--rounds`` rounds;
+* its ratio to the **best static policy** at that budget (the faster of ``nvme`` and ``max_in_cpu``;
+  > 1 = slower than it);
+* the **NVMe bytes per step** (read + written, median), from ``engine.traffic_total`` (migrations
+  included as far as the engine counts them there).
+
+Workloads (``--quick`` shrinks both to tiny sizes for a smoke run):
+
+* ``moe`` - a skewed mixture of experts: ``build_model("moe", ...)`` with ``router="zipf"``
+  (``routing_skew`` 1.2), 3 layers x 32 experts, each expert its own pair of shards; micro-batches of
+  1 x 16 tokens, so that only ~8 of a layer's 32 experts get a token in a step (the others are not
+  touched at all: no param read, no gradient, no optimizer I/O). The hot experts are not the first
+  ones in model order (the zipf router guarantees expert 0 is never in a layer's hottest quarter),
+  so "the first N elements" of ``max_in_cpu`` are not the hot ones. 28.8 M params, 550 MiB of state;
+  an all-NVMe step moves ~220 MB and takes ~0.35-0.4 s on the 2-core development VM.
+* ``gpt`` - a dense GPT (``build_model("gpt", "small")``, 6.4 M params, 122 MiB of state, every
+  weight matrix its own shard), micro-batch 2 x 64 tokens, ``gradient_accumulation_steps`` 4
+  (~0.9-1.2 s an optimizer step there): every shard is used alike, so the adaptive planner has
+  nothing to find and should only not lose (target >= 0.98x).
+
+The training state is 20 bytes per parameter (fp32 param, grad, master, exp_avg, exp_avg_sq), as
+``zinf demo`` and ``benchmarks/step_roofline.py`` count it; a budget of 0.3 is
+``"zinf": {"dram_budget": 0.3 * state}``. Policies, all at the same budget:
+
+* ``nvme`` - ``offload_param`` and ``offload_optimizer`` on ``nvme``; the budget only pays for the
+  working set, staging and overlap buffers (prefetch, write-behind, ...).
+* ``max_in_cpu`` - the same plus ``offload_param.max_in_cpu`` = the largest element count the
+  engine accepts under the budget (DeepSpeed's rule: the first N elements in model order keep a
+  DRAM param home; the optimizer state stays on NVMe). zinf has no stand-alone ``dram_need``
+  function: the engine computes the need in ``Engine.__init__`` (``_dram_need`` +
+  ``check_budget``) before it opens any file, so :func:`fits_budget` asks exactly that check, with
+  an engine subclass that stops right after it, and a bisection finds the largest N.
+* ``adaptive`` - ``"zinf": {"placement": {"policy": "adaptive", "replan_every": K}}``, starting from
+  all-NVMe. It needs an engine with a placement controller (``engine.controller``); without one the
+  harness prints ``adaptive: not available in this checkout`` and no number.
+
+Fairness on a shared, drifting disk: every run builds a fresh engine from a copy of the same model
+and data. Within a round the (budget, policy) runs are done one after another, with the policy
+order rotated from round to round (round 0: nvme, max_in_cpu, adaptive; round 1: max_in_cpu,
+adaptive, nvme; ...), and the medians pool the steps of every round; the table also shows the
+spread (min-max) of the per-round medians. Before the first round, one short run is thrown away
+(the process's own warm-up). Runs are not interleaved step by step: one engine's write-behind
+would then land in another's step. The swap files live in a fresh directory under
+``--path``, deleted at the end (also on error or Ctrl-C).
+
+``--drift-at S`` (moe): after the table, one more adaptive run per budget that calls
+``set_routing(model, seed=routing_seed + 1)`` before step S (the hot set moves) and prints every
+step's time from S - 2 on, with the engine's plan version, so that the recovery is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zinf  # noqa: E402
+from zinf.engine import Engine  # noqa: E402
+from zinf.errors import BudgetError  # noqa: E402
+from zinf.models import build_model  # noqa: E402
+from zinf.models.data import TokenBatches, markov_tokens  # noqa: E402
+from zinf.models.moe import expert_load, expert_ranking, set_routing  # noqa: E402
+from zinf.placement import fmt_bytes  # noqa: E402
+from zinf.storage.fsinfo import filesystem_of  # noqa: E402
+
+STATE_BYTES_PER_PARAM = 4 + 4 + 4 + 4 + 4  # fp32 param, grad, master, exp_avg, exp_avg_sq
+POLICIES = ("nvme", "max_in_cpu", "adaptive")
+STATIC_POLICIES = ("nvme", "max_in_cpu")
+MOE_HEADLINE_BUDGET = 0.3
+MOE_TARGET_SPEEDUP = 1.5  # adaptive vs best static, skewed MoE at 30% (higher = better)
+GPT_TARGET_SPEEDUP = 0.98  # adaptive vs best static, dense GPT (at least; 1 = as fast)
+# The NVMe store's staging pool counts against the budget alike for every policy: 4 x 1 MiB
+# (the aio block size) instead of the default 4 x 4 MiB leaves more of a small budget to placement.
+STAGING = {"staging_buffers": 4, "staging_buffer_size": "1MiB"}
+QUICK_SHARDS = {"shard_min_bytes": "32KiB", "chunk_size": "256KiB", "staging_buffers": 4, "staging_buffer_size": "256KiB"}
+
+
+# ------------------------------------------------------------------ workloads
+@dataclass
+class Workload:
+    name: str
+    model: nn.Module  # the base model; every run trains a deep copy of it
+    data: TokenBatches
+    grad_accum: int  # micro-batches per optimizer step
+    zinf_extra: dict  # shard sizes for the "zinf" section
+    about: str
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def state_bytes(self) -> int:
+        return STATE_BYTES_PER_PARAM * self.n_params
+
+
+def make_workload(name: str, quick: bool) -> Workload:
+    torch.manual_seed(0)
+    if name == "moe":
+        if quick:  # 2 x 8 experts of 64 x 256; 32 KiB shards
+            sizes = dict(n_layer=2, n_head=2, n_embd=64, n_experts=8, expert_hidden=256)
+            extra = QUICK_SHARDS
+        else:  # 3 x 32 experts of 192 x 768 (two 576 KiB matrices each, each its own shard)
+            sizes = dict(n_layer=3, n_head=3, n_embd=192, n_experts=32, expert_hidden=768)
+            extra = {"shard_min_bytes": "512KiB", **STAGING}
+        model, cfg = build_model("moe", "tiny", router="zipf", routing_skew=1.2, top_k=1, bias=False, **sizes)
+        batch, seq, accum = 1, 16, 1
+        about = (f"MoE {cfg.n_layer} layers x {cfg.n_experts} experts (zipf router, skew {cfg.routing_skew}, "
+                 f"top-{cfg.top_k}), micro-batch {batch} x {seq} tokens, accumulation {accum}")
+    elif name == "gpt":
+        model, cfg = build_model("gpt", "tiny" if quick else "small")
+        batch, seq, accum = 2, cfg.block_size, 4
+        # 256 KiB shards: every weight matrix its own shard, so the chunks that stay materialised
+        # for a whole pass are small and a 20% budget still covers the working set
+        extra = QUICK_SHARDS if quick else {"shard_min_bytes": "256KiB", **STAGING}
+        about = f"dense GPT {cfg.n_layer} x {cfg.n_embd}, micro-batch {batch} x {seq} tokens, accumulation {accum}"
+    else:
+        raise SystemExit(f"unknown workload {name!r}; use moe, gpt or both")
+    data = TokenBatches(markov_tokens(cfg.vocab_size, 200_000, seed=0), batch, seq, seed=0)
+    return Workload(name, model, data, accum, extra, about)
+
+
+# ------------------------------------------------------------------ configs and the budget check
+def base_config(w: Workload, swap: Path, budget_bytes: int) -> dict:
+    """Params and optimizer state on NVMe under ``budget_bytes`` of DRAM (the ``nvme`` policy)."""
+    return {
+        "train_micro_batch_size_per_gpu": w.data.batch_size,
+        "gradient_accumulation_steps": w.grad_accum,
+        "gradient_clipping": 0.0,  # lets updates run during backward, as in step_roofline.py
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(swap)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)},
+            "stage3_prefetch_bucket_size": w.n_params // 4,
+        },
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2},
+        "zinf": {"dram_budget": budget_bytes, **w.zinf_extra},
+    }
+
+
+def policy_config(w: Workload, policy: str, swap: Path, budget_bytes: int, *, max_in_cpu: int = 0,
+                  replan_every: int = 4) -> dict:
+    cfg = base_config(w, swap, budget_bytes)
+    if policy == "max_in_cpu":
+        cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
+    elif policy == "adaptive":
+        cfg["zinf"]["placement"] = {"policy": "adaptive", "replan_every": replan_every}
+    elif policy != "nvme":
+        raise SystemExit(f"unknown policy {policy!r}; use {', '.join(POLICIES)}")
+    return cfg
+
+
+class _FitsBudget(Exception):
+    """Raised by :class:`_BudgetProbe` once the engine has accepted the budget."""
+
+
+class _BudgetProbe(Engine):
+    """An engine that stops right after its budget check: ``__init__`` computes the placement's
+    DRAM need and refuses it (BudgetError) before ``_open_stores``, the first step that writes."""
+
+    def _open_stores(self) -> None:
+        raise _FitsBudget
+
+
+def fits_budget(model: nn.Module, config: dict) -> bool:
+    """Whether ``zinf.initialize(model, config)`` would accept the DRAM budget (no file is written)."""
+    try:
+        probe = _BudgetProbe(model, config)
+    except _FitsBudget:
+        return True
+    except BudgetError:
+        return False
+    probe.close()  # the engine changed: the probe no longer stops before any I/O
+    raise RuntimeError("fits_budget: Engine no longer calls _open_stores after its budget check; update the probe")
+
+
+def largest_max_in_cpu(w: Workload, swap: Path, budget_bytes: int) -> int | None:
+    """The largest ``max_in_cpu`` (elements) the engine accepts under the budget; None if even 0
+    does not fit. Bisection over [0, n_params]: the need grows with N (more DRAM param homes)."""
+    def fits(n: int) -> bool:
+        return fits_budget(w.model, policy_config(w, "max_in_cpu", swap, budget_bytes, max_in_cpu=n))
+
+    lo, hi = 0, w.n_params
+    if not fits(lo):
+        return None
+    if fits(hi):
+        return hi
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# ------------------------------------------------------------------ one run
+@dataclass
+class Run:
+    """One engine's life: per-step wall seconds and NVMe bytes of the measured steps."""
+
+    status: str = "ok"  # "ok", "refused" (BudgetError), "unavailable" (no placement controller)
+    note: str = ""
+    step_s: list[float] = field(default_factory=list)
+    nvme_bytes: list[int] = field(default_factory=list)
+    dram_homes: str = ""  # what the placement keeps in DRAM at the end
+    per_step: list[tuple[int, float, int]] = field(default_factory=list)  # (step, seconds, plan version)
+
+
+def dram_homes(engine) -> str:
+    """'P param + O optim homes in DRAM' of the engine's placement now."""
+    placed = engine.placement.values()
+    n_param = sum(p["param"] in ("cpu", "gpu") for p in placed)
+    n_optim = sum(p["optim"] in ("cpu", "gpu") for p in placed)
+    return f"{n_param}+{n_optim}/{len(engine.placement)}"
+
+
+def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller: bool = False,
+          drift_at: int | None = None) -> Run:
+    """Build an engine on a copy of the workload's model, train warmup + steps optimizer steps."""
+    try:
+        engine = zinf.initialize(copy.deepcopy(w.model), config)
+    except BudgetError as e:
+        return Run("refused", str(e).split(";")[0])
+    run = Run()
+    with engine:
+        if need_controller and getattr(engine, "controller", None) is None:
+            return Run("unavailable", "engine has no placement controller (engine.controller)")
+        micro = 0
+        for step in range(warmup + steps):
+            if drift_at is not None and step == drift_at:
+                new = set_routing(engine.module, seed=engine.module.config.routing_seed + 1)
+                run.note = f"set_routing(seed={new.routing_seed}) before step {step}"
+            traffic = engine.traffic_total
+            before_b = traffic.read["nvme"] + traffic.written["nvme"]
+            t0 = time.perf_counter()
+            for _ in range(w.grad_accum):
+                x, y = w.data.get(micro)
+                micro += 1
+                engine.backward(engine(x, y))
+                engine.step()
+            dt = time.perf_counter() - t0
+            moved_b = engine.traffic_total.read["nvme"] + engine.traffic_total.written["nvme"] - before_b
+            run.per_step.append((step, dt, getattr(engine, "plan_version", 0)))
+            if step >= warmup:
+                run.step_s.append(dt)
+                run.nvme_bytes.append(moved_b)
+        run.dram_homes = dram_homes(engine)
+    return run
+
+
+# ------------------------------------------------------------------ the sweep
+@dataclass
+class Cell:
+    """Everything measured for one (workload, budget, policy), over all rounds."""
+
+    runs: list[Run] = field(default_factory=list)
+    max_in_cpu: int | None = None
+
+    @property
+    def status(self) -> str:
+        return self.runs[0].status if self.runs else "not run"
+
+    @property
+    def step_s(self) -> float | None:
+        times = [t for r in self.runs for t in r.step_s]
+        return statistics.median(times) if self.status == "ok" and times else None
+
+    @property
+    def nvme_bytes(self) -> float | None:
+        b = [x for r in self.runs for x in r.nvme_bytes]
+        return statistics.median(b) if self.status == "ok" and b else None
+
+    @property
+    def spread(self) -> str:
+        meds = [statistics.median(r.step_s) for r in self.runs if r.step_s]
+        return f"{min(meds):.3f}-{max(meds):.3f}" if len(meds) > 1 else ""
+
+
+def best_static(cells: dict[str, Cell]) -> tuple[str, float] | None:
+    timed = [(p, cells[p].step_s) for p in STATIC_POLICIES if p in cells and cells[p].step_s is not None]
+    return min(timed, key=lambda pt: pt[1]) if timed else None
+
+
+def sweep(w: Workload, budgets: list[float], policies: list[str], swap: Path, args) -> dict[float, dict[str, Cell]]:
+    cells = {b: {p: Cell() for p in policies} for b in budgets}
+    for b in budgets:
+        if "max_in_cpu" in policies:
+            cells[b]["max_in_cpu"].max_in_cpu = largest_max_in_cpu(w, swap, int(b * w.state_bytes))
+    # one short, discarded run first, so that the process's own warm-up (lazy imports, allocator,
+    # the disk's first writes) is charged to no policy
+    train(w, policy_config(w, "nvme", swap, int(max(budgets) * w.state_bytes)), warmup=2, steps=0)
+    adaptive_missing = False
+    for r in range(args.rounds):
+        order = policies[r % len(policies):] + policies[: r % len(policies)]  # rotate per round
+        for b in budgets:
+            budget_bytes = int(b * w.state_bytes)
+            for p in order:
+                cell = cells[b][p]
+                if p == "adaptive" and adaptive_missing:
+                    continue
+                if p == "max_in_cpu" and cell.max_in_cpu is None:
+                    cell.runs.append(Run("refused", "the budget is below the working set even with max_in_cpu 0"))
+                    continue
+                cfg = policy_config(w, p, swap, budget_bytes, max_in_cpu=cell.max_in_cpu or 0,
+                                    replan_every=args.replan_every)
+                run = train(w, cfg, args.warmup, args.steps, need_controller=(p == "adaptive"))
+                cell.runs.append(run)
+                adaptive_missing |= p == "adaptive" and run.status == "unavailable"
+                shown = f"{statistics.median(run.step_s):.3f} s" if run.step_s else run.status
+                print(f"  round {r + 1}/{args.rounds} {w.name} budget {b:.0%} {p:<10} {shown}", flush=True)
+    return cells
+
+
+def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
+    print(f"\n{w.name} results (state {fmt_bytes(w.state_bytes)}; budgets are fractions of it)")
+    print(f"{'budget':>7} {'policy':<11} {'step_s':>8} {'spread_s':>13} {'vs_best':>8} {'nvme_MB/step':>13} "
+          f"{'dram_homes':>11}  note")
+    for b, by_policy in cells.items():
+        best = best_static(by_policy)
+        for p, cell in by_policy.items():
+            note = f"max_in_cpu={cell.max_in_cpu:,}" if p == "max_in_cpu" and cell.max_in_cpu is not None else ""
+            if cell.status != "ok":
+                msg = "not available in this checkout" if cell.status == "unavailable" else cell.status
+                detail = cell.runs[0].note if cell.runs else ""
+                print(f"{b:>7.0%} {p:<11} {msg:>8}  ({detail})")
+                continue
+            ratio = f"{cell.step_s / best[1]:.2f}" if best else "-"
+            print(f"{b:>7.0%} {p:<11} {cell.step_s:8.3f} {cell.spread:>13} {ratio:>8} "
+                  f"{cell.nvme_bytes / 1e6:13.1f} {cell.runs[-1].dram_homes:>11}  {note}")
+    print("(step_s: median optimizer-step seconds; vs_best: step_s / best static policy's, < 1 = faster; "
+          "dram_homes: param+optim homes in DRAM / shards, at the end of the last run)")
+
+
+def headline(name: str, cells: dict[float, dict[str, Cell]] | None, budget: float | None, target: float) -> str:
+    """'<workload> at <budget>: adaptive is X.XXx the speed of the best static (target >= T)'."""
+    if cells is None:
+        return f"{name}: not measured (workload not selected)"
+    budgets = [budget] if budget is not None else list(cells)
+    out = []
+    for b in budgets:
+        if b not in cells:
+            out.append(f"{name} at {b:.0%}: not measured (budget not selected)")
+            continue
+        adaptive, best = cells[b].get("adaptive"), best_static(cells[b])
+        if adaptive is None or adaptive.status == "not run":
+            out.append(f"{name} at {b:.0%}: adaptive not measured (policy not selected)")
+        elif adaptive.status == "unavailable":
+            out.append(f"{name} at {b:.0%}: adaptive: not available in this checkout")
+        elif adaptive.step_s is None or best is None:
+            out.append(f"{name} at {b:.0%}: no ratio (adaptive {adaptive.status}, best static "
+                       f"{'missing' if best is None else best[0]})")
+        else:
+            speed = best[1] / adaptive.step_s
+            verdict = "meets" if speed >= target else "MISSES"
+            out.append(f"{name} at {b:.0%}: adaptive {adaptive.step_s:.3f} s vs best static {best[0]} {best[1]:.3f} s "
+                       f"-> {speed:.2f}x the speed (target >= {target}x: {verdict})")
+    return "\n".join(out)
+
+
+def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[float, dict[str, Cell]]) -> None:
+    """Adaptive MoE runs in which the hot experts move before step --drift-at: every step's time
+    from two steps before the switch on, and the medians of --steps steps before it and at the end."""
+    total = args.drift_at + args.warmup + args.steps  # --warmup + --steps steps to recover
+    for b in budgets:
+        cfg = policy_config(w, "adaptive", swap, int(b * w.state_bytes), replan_every=args.replan_every)
+        run = train(w, cfg, warmup=total, steps=0, need_controller=True, drift_at=args.drift_at)
+        if run.status == "unavailable":
+            print("\ndrift: adaptive: not available in this checkout")
+            return
+        if run.status != "ok":
+            print(f"\ndrift at {b:.0%}: {run.status} ({run.note})")
+            continue
+        times = [dt for _, dt, _ in run.per_step]
+        before = times[max(0, args.drift_at - args.steps): args.drift_at]
+        after = times[-args.steps:]
+        best = best_static(cells[b]) if b in cells else None
+        print(f"\ndrift at {b:.0%}: {run.note}; median step before {statistics.median(before):.3f} s, "
+              f"last {len(after)} steps {statistics.median(after):.3f} s"
+              + (f"; best static without drift: {best[0]} {best[1]:.3f} s" if best else ""))
+        print("  step  step_s  plan_version")
+        for s, dt, version in run.per_step:
+            if s >= args.drift_at - 2:
+                print(f"  {s:4d}  {dt:6.3f}  {version}{'   <- routing changed before this step' if s == args.drift_at else ''}")
+
+
+def describe_routing(w: Workload) -> str:
+    """The measured expert load of the MoE workload: hottest experts and experts hit per step."""
+    cfg = w.model.config
+    ranking = expert_ranking(cfg)
+    hits = [[int((expert_load(cfg, w.data.get(i)[0])[layer] > 0).sum()) for i in range(50)] for layer in range(cfg.n_layer)]
+    return "; ".join(f"layer {layer}: hottest experts {ranking[layer, :4].tolist()}, "
+                     f"{statistics.mean(h):.1f}/{cfg.n_experts} experts hit per step" for layer, h in enumerate(hits))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--path", type=Path, required=True, help="directory on the disk to measure (swap files go under it)")
+    ap.add_argument("--workload", choices=("moe", "gpt", "both"), default="both")
+    ap.add_argument("--budgets", default="0.2,0.3,0.5", help="DRAM budgets as fractions of the training state")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ", ".join(POLICIES))
+    ap.add_argument("--steps", type=int, default=8, help="measured optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=12, help="optimizer steps before measuring (adaptive: re-plan + migrate)")
+    ap.add_argument("--rounds", type=int,
+                    help="rounds; the policy order rotates from round to round (default 3: each policy once in "
+                         "each slot; 2 with --quick)")
+    ap.add_argument("--replan-every", type=int, default=4, help="zinf.placement.replan_every of the adaptive policy")
+    ap.add_argument("--drift-at", type=int, help="moe: extra adaptive runs with set_routing(...) before this step")
+    ap.add_argument("--quick", action="store_true", help="tiny models, for a smoke run")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    budgets = [float(b) for b in args.budgets.split(",")]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        if p not in POLICIES:
+            raise SystemExit(f"unknown policy {p!r}; use {', '.join(POLICIES)}")
+    args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 3)
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        raise SystemExit("--steps and --rounds must be >= 1, --warmup >= 0")
+    if args.drift_at is not None and args.drift_at < 1:
+        raise SystemExit("--drift-at must be >= 1 (a step with steps before it)")
+    torch.set_num_threads(os.cpu_count() or 1)
+    names = ["moe", "gpt"] if args.workload == "both" else [args.workload]
+
+    fs = filesystem_of(args.path if args.path.exists() else args.path.parent)
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({os.cpu_count()} cores), {fs.fstype} at {args.path}; "
+          f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} measured steps) per (budget, policy)")
+    swap = args.path / f"planner-policies-{os.getpid()}"
+    results: dict[str, dict[float, dict[str, Cell]]] = {}
+    try:
+        swap.mkdir(parents=True)
+        for name in names:
+            w = make_workload(name, args.quick)
+            print(f"\n{name}: {w.about}; {w.n_params / 1e6:.1f} M params, state {fmt_bytes(w.state_bytes)}")
+            if name == "moe":
+                print("  " + describe_routing(w))
+            results[name] = sweep(w, budgets, policies, swap, args)
+            print_table(w, results[name])
+            if name == "moe" and args.drift_at is not None and "adaptive" in policies:
+                drift_run(w, budgets, swap, args, results[name])
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
+
+    print("\nheadline (speed = best static step time / adaptive step time; > 1 = adaptive faster)")
+    print(headline("skewed MoE", results.get("moe"), MOE_HEADLINE_BUDGET, MOE_TARGET_SPEEDUP))
+    print(headline("dense GPT", results.get("gpt"), None, GPT_TARGET_SPEEDUP))
+    if args.json:
+        out = {name: {str(b): {p: {"status": c.status, "step_s": c.step_s, "nvme_bytes_per_step": c.nvme_bytes,
+                                    "max_in_cpu": c.max_in_cpu, "runs_step_s": [r.step_s for r in c.runs]}
+                               for p, c in by_p.items()} for b, by_p in res.items()}
+               for name, res in results.items()}
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""When to act on a new plan, and how: adoption by predicted gain, a warm band, ping-pong counting.
+
+The solver says where every shard *should* live under the DRAM budget. Acting on that is not
+free: every move writes or reads the shard's state (a migration), and a plan computed from a few
+noisy steps may be undone by the next one. The policy therefore decides, per candidate plan:
+
+1. **Warm band (hysteresis).** A home whose stall saved per byte is within ``warm_band`` (a
+   fraction) of the plan's DRAM threshold - between the density of the least valuable home the
+   plan keeps in DRAM and the most valuable one it leaves on NVMe - stays where it is: such a move
+   buys almost nothing and is the first to flip back.
+   If keeping evicted homes in DRAM would break the budget, the lowest-density ones are evicted
+   after all.
+2. **Adoption.** The plan (after the warm band) is adopted only when its predicted gain over the
+   remaining horizon beats the migration cost by ``margin``:
+   ``(current_step_s - plan_step_s) * horizon_steps > margin * migration_s``, and the gain per
+   step is at least ``min_gain_fraction`` of the current step (below that the prediction's own
+   error dominates).
+3. **Order of moves.** Evictions to NVMe first (they free DRAM for what comes in), then the
+   homes coming into DRAM, most valuable first; the engine moves at most
+   ``migration_bytes_per_step`` a step and defers the rest, which the controller re-issues.
+4. **Ping-pong.** A move that returns a home to the tier it left within the last
+   ``pingpong_plans`` adopted plans is counted (:attr:`Decision.pingpong_moves`); it is recorded
+   with the plan so a user can see a policy that oscillates.
+
+Homes are keyed ``(shard name, state)`` with state ``"param"`` or ``"optim"``; tiers are
+``"cpu"`` (DRAM) and ``"nvme"``. Units: seconds (``_s``), bytes (``_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from zinf.placement import Move
+
+__all__ = ["PolicySettings", "Decision", "PlacementPolicy", "diff_moves"]
+
+Home = tuple[str, str]  # (shard name, "param" | "optim")
+MOVABLE_TIERS = ("cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """Knobs of :class:`PlacementPolicy` (defaults chosen for re-plans every ~20 steps)."""
+
+    margin: float = 1.5
+    """The predicted gain over the horizon must exceed the migration seconds times this."""
+
+    min_gain_fraction: float = 0.02
+    """Gains below this fraction of the current step time are treated as noise."""
+
+    warm_band: float = 0.15
+    """Homes whose saved-seconds-per-byte is within this fraction of the DRAM threshold stay put."""
+
+    pingpong_plans: int = 3
+    """A home moved back to a tier it left within this many adopted plans counts as ping-pong."""
+
+
+@dataclass
+class Decision:
+    """What the policy made of one candidate plan."""
+
+    adopt: bool
+    reason: str
+    moves: list[Move] = field(default_factory=list)  # in the order the engine should apply them
+    placement: dict[Home, str] = field(default_factory=dict)  # the placement after the moves
+    gain_s_per_step: float = 0.0
+    migration_s: float = 0.0
+    horizon_steps: int = 0
+    kept_by_warm_band: int = 0
+    pingpong_moves: int = 0
+
+    def as_reason(self) -> dict:
+        """The JSON the controller stores in ``plans.reason``."""
+        return {
+            "adopt": self.adopt, "why": self.reason, "moves": len(self.moves),
+            "gain_s_per_step": self.gain_s_per_step, "migration_s": self.migration_s,
+            "horizon_steps": self.horizon_steps, "kept_by_warm_band": self.kept_by_warm_band,
+            "pingpong_moves": self.pingpong_moves,
+        }
+
+
+def diff_moves(current: Mapping[Home, str], target: Mapping[Home, str]) -> list[Move]:
+    """The moves from ``current`` to ``target`` between the movable tiers, evictions first."""
+    evict, admit = [], []
+    for home, dst in target.items():
+        src = current.get(home)
+        if src == dst or src not in MOVABLE_TIERS or dst not in MOVABLE_TIERS:
+            continue
+        (evict if dst == "nvme" else admit).append(Move(home[0], home[1], dst))
+    return evict + admit
+
+
+class PlacementPolicy:
+    """Decides whether to adopt candidate plans; remembers adopted placements for ping-pong."""
+
+    def __init__(self, settings: PolicySettings | None = None) -> None:
+        self.settings = settings or PolicySettings()
+        self._history: deque[dict[Home, str]] = deque(maxlen=max(1, self.settings.pingpong_plans))
+        self.pingpong_total = 0
+
+    def decide(
+        self,
+        current: Mapping[Home, str],
+        candidate: Mapping[Home, str],
+        *,
+        current_step_s: float,
+        predict_step_s: Callable[[Mapping[Home, str]], float],
+        density: Mapping[Home, float],
+        dram_bytes: Mapping[Home, int],
+        dram_room_bytes: int,
+        migration_s: Callable[[Move], float],
+        horizon_steps: int,
+    ) -> Decision:
+        """Judge ``candidate`` against ``current`` (both ``{home: tier}``).
+
+        ``predict_step_s(placement)``: the simulator's step time of a placement (the same model
+        for both, so that its bias cancels in the gain); ``density``: stall seconds saved per
+        byte of each home in DRAM; ``dram_bytes``: DRAM a home takes in DRAM; ``dram_room_bytes``:
+        DRAM the homes may take in all (the budget minus working set and buffers);
+        ``migration_s(move)``: predicted seconds of one move; ``horizon_steps``: steps left
+        (or until the next re-plan window ends) over which a gain pays back.
+        """
+        s = self.settings
+        target = self._warm_band(current, candidate, density, dram_bytes, dram_room_bytes)
+        kept = sum(1 for h, t in candidate.items() if target.get(h) != t)
+        moves = diff_moves(current, target)
+        if not moves:
+            return Decision(False, "no home changes tier", [], dict(current), 0.0, 0.0, horizon_steps, kept)
+        plan_step_s = predict_step_s(target)
+        gain_s = current_step_s - plan_step_s
+        cost_s = sum(migration_s(m) for m in moves)
+        pingpong = self._pingpong(current, moves)
+        base = dict(moves=moves, placement=target, gain_s_per_step=gain_s, migration_s=cost_s,
+                    horizon_steps=horizon_steps, kept_by_warm_band=kept, pingpong_moves=pingpong)
+        if gain_s < s.min_gain_fraction * current_step_s:
+            why = (f"predicted gain {gain_s * 1e3:.1f} ms/step is below {s.min_gain_fraction:.0%} "
+                   f"of the {current_step_s * 1e3:.1f} ms step")
+            return Decision(False, why, **base)
+        if gain_s * horizon_steps <= s.margin * cost_s:
+            why = (f"gain {gain_s * 1e3:.1f} ms/step x {horizon_steps} steps does not beat "
+                   f"{s.margin:g} x migration {cost_s * 1e3:.1f} ms")
+            return Decision(False, why, **base)
+        return Decision(True, f"gain {gain_s * 1e3:.1f} ms/step x {horizon_steps} steps beats "
+                        f"{s.margin:g} x migration {cost_s * 1e3:.1f} ms", **base)
+
+    def adopted(self, decision: Decision, before: Mapping[Home, str]) -> None:
+        """Remember an adopted plan (``before``: the placement it replaced) for ping-pong."""
+        self._history.append(dict(before))
+        self.pingpong_total += decision.pingpong_moves
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _warm_band(self, current, candidate, density, dram_bytes, room_bytes) -> dict[Home, str]:
+        """``candidate`` with near-threshold moves undone, still within ``room_bytes``."""
+        band = self.settings.warm_band
+        in_dram = [density[h] for h, t in candidate.items() if t == "cpu" and h in density]
+        on_nvme = [density[h] for h, t in candidate.items() if t == "nvme" and h in density]
+        if band <= 0 or not in_dram:
+            return dict(candidate)
+        # The plan's boundary: between its least valuable DRAM home and its most valuable NVMe
+        # one (geometric mean: densities span orders of magnitude).
+        lo_in, hi_out = min(in_dram), max(on_nvme, default=0.0)
+        threshold = math.sqrt(lo_in * hi_out) if hi_out > 0 else lo_in
+        target = dict(candidate)
+        for home, dst in candidate.items():
+            src = current.get(home)
+            if src == dst or src not in MOVABLE_TIERS or dst not in MOVABLE_TIERS:
+                continue
+            d = density.get(home, 0.0)
+            if dst == "cpu" and d < threshold * (1 + band):
+                target[home] = src  # barely worth its DRAM: not worth a move
+            elif dst == "nvme" and d > threshold * (1 - band):
+                target[home] = src  # barely not worth it: keep it where it is
+        # Keeping evictees may overfill DRAM: evict the least valuable kept ones after all.
+        used = sum(dram_bytes.get(h, 0) for h, t in target.items() if t == "cpu")
+        if used > room_bytes:
+            kept_in_dram = sorted((h for h, t in target.items() if t == "cpu" and candidate[h] == "nvme"),
+                                  key=lambda h: density.get(h, 0.0))
+            for home in kept_in_dram:
+                if used <= room_bytes:
+                    break
+                target[home] = "nvme"
+                used -= dram_bytes.get(home, 0)
+        if used > room_bytes:  # the warm band cannot be honoured within the budget: take the plan
+            return dict(candidate)
+        return target
+
+    def _pingpong(self, current: Mapping[Home, str], moves: list[Move]) -> int:
+        """Moves that send a home back to a tier it had in a recently replaced placement."""
+        count = 0
+        for m in moves:
+            home = (m.shard, m.state)
+            if any(past.get(home) == m.dst and current.get(home) != m.dst for past in self._history):
+                count += 1
+        return count

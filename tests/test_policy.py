@@ -1,0 +1,122 @@
+"""planner.policy: adoption by predicted gain against migration cost, the warm band, ping-pong."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.policy import PlacementPolicy, PolicySettings, diff_moves
+from zinf.placement import Move
+
+MiB = 1 << 20
+
+
+def linear_model(step_s_all_nvme: float, saved_s: dict):
+    """A stand-in simulator: the step gets shorter by each DRAM home's saved seconds."""
+    def predict(placement) -> float:
+        return step_s_all_nvme - sum(saved_s[h] for h, t in placement.items() if t == "cpu")
+    return predict
+
+
+def setup(n: int = 6):
+    homes = [(f"s{i}", "param") for i in range(n)]
+    saved = {h: 0.010 * (i + 1) for i, h in enumerate(homes)}  # s5 hottest
+    size = {h: 10 * MiB for h in homes}
+    density = {h: saved[h] / size[h] for h in homes}
+    return homes, saved, size, density
+
+
+def decide(policy, current, candidate, saved, size, density, *, room=30 * MiB, horizon=20, move_s=0.01):
+    predict = linear_model(1.0, saved)
+    return policy.decide(current, candidate, current_step_s=predict(current), predict_step_s=predict,
+                         density=density, dram_bytes=size, dram_room_bytes=room,
+                         migration_s=lambda m: move_s, horizon_steps=horizon)
+
+
+def test_diff_moves_evicts_first_and_skips_unchanged_and_unmovable():
+    current = {("a", "param"): "cpu", ("b", "param"): "nvme", ("c", "optim"): "nvme", ("d", "param"): "gpu"}
+    target = {("a", "param"): "nvme", ("b", "param"): "cpu", ("c", "optim"): "nvme", ("d", "param"): "cpu"}
+    assert diff_moves(current, target) == [Move("a", "param", "nvme"), Move("b", "param", "cpu")]
+
+
+def test_adopts_a_clear_gain_and_orders_evictions_first():
+    homes, saved, size, density = setup()
+    current = {h: ("cpu" if i < 3 else "nvme") for i, h in enumerate(homes)}  # the cold first three
+    candidate = {h: ("cpu" if i >= 3 else "nvme") for i, h in enumerate(homes)}  # the hot last three
+    d = decide(PlacementPolicy(), current, candidate, saved, size, density)
+    assert d.adopt, d.reason
+    assert [m.dst for m in d.moves] == ["nvme"] * 3 + ["cpu"] * 3
+    assert d.gain_s_per_step == pytest.approx(0.09)
+    assert d.placement == candidate
+
+
+def test_refuses_when_migration_cost_beats_the_gain_over_the_horizon():
+    homes, saved, size, density = setup()
+    current = {h: ("cpu" if i < 3 else "nvme") for i, h in enumerate(homes)}
+    candidate = {h: ("cpu" if i >= 3 else "nvme") for i, h in enumerate(homes)}
+    # gain 0.09 s/step x 2 steps = 0.18 s; 6 moves x 0.05 s x margin 1.5 = 0.45 s
+    d = decide(PlacementPolicy(), current, candidate, saved, size, density, horizon=2, move_s=0.05)
+    assert not d.adopt and "does not beat" in d.reason
+    # the same plan with a long horizon pays back
+    assert decide(PlacementPolicy(), current, candidate, saved, size, density, horizon=50, move_s=0.05).adopt
+
+
+def test_tiny_gains_are_noise():
+    homes, saved, size, density = setup()
+    saved = {h: 1e-4 for h in homes}
+    density = {h: saved[h] / size[h] for h in homes}
+    current = {h: ("cpu" if i < 3 else "nvme") for i, h in enumerate(homes)}
+    candidate = dict(current)
+    candidate[homes[0]], candidate[homes[5]] = "nvme", "cpu"
+    d = decide(PlacementPolicy(PolicySettings(warm_band=0)), current, candidate, saved, size, density,
+               horizon=10_000, move_s=0.0)
+    assert not d.adopt and "below" in d.reason
+
+
+def test_warm_band_keeps_near_threshold_homes_where_they_are():
+    homes, saved, size, density = setup(4)
+    # s2 (density 0.030/10MiB) is in DRAM; the candidate swaps it for s3 (0.031): 3% better, in the band
+    density = {homes[0]: 1e-9, homes[1]: 1e-9, homes[2]: 0.030 / (10 * MiB), homes[3]: 0.031 / (10 * MiB)}
+    saved = {h: density[h] * size[h] for h in homes}
+    current = {homes[0]: "nvme", homes[1]: "nvme", homes[2]: "cpu", homes[3]: "nvme"}
+    candidate = {homes[0]: "nvme", homes[1]: "nvme", homes[2]: "nvme", homes[3]: "cpu"}
+    banded = decide(PlacementPolicy(PolicySettings(warm_band=0.15, min_gain_fraction=0)), current, candidate,
+                    saved, size, density, room=10 * MiB, horizon=10_000, move_s=0.0)
+    # both moves are within the band of the threshold (s3's density): nothing moves
+    assert banded.moves == [] and not banded.adopt
+    plain = decide(PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0)), current, candidate,
+                   saved, size, density, room=10 * MiB, horizon=10_000, move_s=0.0)
+    assert plain.adopt and len(plain.moves) == 2
+
+
+def test_warm_band_evicts_kept_homes_again_when_dram_would_overflow():
+    homes, saved, size, density = setup(4)
+    density = {homes[0]: 0.0290 / (10 * MiB), homes[1]: 0.0295 / (10 * MiB),
+               homes[2]: 0.0300 / (10 * MiB), homes[3]: 0.0600 / (10 * MiB)}
+    saved = {h: density[h] * size[h] for h in homes}
+    current = {homes[0]: "cpu", homes[1]: "cpu", homes[2]: "nvme", homes[3]: "nvme"}
+    candidate = {homes[0]: "nvme", homes[1]: "nvme", homes[2]: "cpu", homes[3]: "cpu"}
+    d = decide(PlacementPolicy(PolicySettings(warm_band=0.15, min_gain_fraction=0)), current, candidate,
+               saved, size, density, room=20 * MiB, horizon=10_000, move_s=0.0)
+    in_dram = sum(size[h] for h, t in d.placement.items() if t == "cpu")
+    assert in_dram <= 20 * MiB
+    assert d.placement[homes[3]] == "cpu", "a clearly hot home is admitted regardless of the band"
+    assert d.placement[homes[2]] == "nvme", "s2 is within the band of the threshold: it is not moved in"
+    assert d.placement[homes[1]] == "cpu" and d.placement[homes[0]] == "nvme", \
+        "of the two near-threshold residents the more valuable one stays; the other makes room"
+
+
+def test_pingpong_counts_homes_sent_back_within_recent_plans():
+    homes, saved, size, density = setup(2)
+    policy = PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0, margin=0))
+    a = {homes[0]: "cpu", homes[1]: "nvme"}
+    b = {homes[0]: "nvme", homes[1]: "cpu"}
+    flat = {h: 0.01 for h in homes}
+    d1 = policy.decide(a, b, current_step_s=1.0, predict_step_s=lambda p: 0.9, density=flat,
+                       dram_bytes=size, dram_room_bytes=10 * MiB, migration_s=lambda m: 0.0, horizon_steps=10)
+    assert d1.adopt and d1.pingpong_moves == 0
+    policy.adopted(d1, a)
+    d2 = policy.decide(b, a, current_step_s=1.0, predict_step_s=lambda p: 0.9, density=flat,
+                       dram_bytes=size, dram_room_bytes=10 * MiB, migration_s=lambda m: 0.0, horizon_steps=10)
+    assert d2.pingpong_moves == 2
+    policy.adopted(d2, b)
+    assert policy.pingpong_total == 2
