@@ -1,0 +1,551 @@
+"""The planner's hotness, simulator and solver (issue 5, items 2-4).
+
+Synthetic workloads (``Workload.from_rows``) are used where the truth must be known exactly; the
+last test builds a real profile from a short training run and plans it end to end.
+
+The cost model of the synthetic tests is fitted (``CostModel.fit``) from exact samples of
+``seconds = latency + bytes / bandwidth``, so its numbers are known.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import zinf
+from zinf.models import build_model
+
+from conftest import gpt_batches
+from planner import (CostModel, Plan, PlanError, Simulator, Workload, access_rates, calibrate, home_dram_bytes,
+                     simulate, solve, stall_cost)
+from planner.hotness import ewma
+from profiler import queries
+
+READ_LAT, READ_BPS = 2e-4, 1e9
+WRITE_LAT, WRITE_BPS = 3e-4, 1.5e9
+
+
+def exact_cost_model(read_lat=READ_LAT, read_bps=READ_BPS, write_lat=WRITE_LAT, write_bps=WRITE_BPS) -> CostModel:
+    sizes = np.geomspace(1e4, 1e8, 24)
+    rows = [{"tier": "nvme", "op": "read", "bytes": b, "seconds": read_lat + b / read_bps} for b in sizes]
+    rows += [{"tier": "nvme", "op": "write", "bytes": b, "seconds": write_lat + b / write_bps} for b in sizes]
+    return CostModel.fit(pd.DataFrame(rows))
+
+
+CM = exact_cost_model()
+
+# engine settings under which the simulator is additive (every I/O synchronous, nothing overlaps):
+# the linearised stall cost is then exact, and the MILP is the true optimum of the simulator
+LINEAR = dict(prefetch_bytes=0, reuse_distance_bytes=0, write_window_bytes=0, pipeline_read=False,
+              updates_during_backward=False, micro_batches=1, disk_servers=1)
+
+
+def test_cost_model_helper_is_exact():
+    c = CM.cost("nvme", "read")
+    assert c.latency_s == pytest.approx(READ_LAT, rel=1e-4) and c.bandwidth_Bps == pytest.approx(READ_BPS, rel=1e-4)
+
+
+# ------------------------------------------------------------------------------ hotness: EWMA
+def rows_frame(rows):
+    """shard_steps-like rows: (step, name, forward, backward, optimizer[, window_steps])."""
+    out = []
+    for r in rows:
+        step, name, f, b, o, *w = r
+        out.append({"step": step, "window_steps": w[0] if w else 1, "name": name, "forward_accesses": f,
+                    "backward_accesses": b, "recompute_accesses": 0, "optimizer_accesses": o})
+    return pd.DataFrame(out)
+
+
+def test_ewma_values_on_a_hand_built_frame():
+    # steps 1..4; shard "a" is missing in step 3 (0 accesses there); "b" has a 2-step window
+    frame = rows_frame([(1, "a", 2, 2, 1), (2, "a", 4, 4, 1), (4, "a", 4, 4, 1), (1, "b", 6, 0, 0, 2), (3, "b", 2, 0, 0)])
+    r = access_rates(frame, ["a", "b", "c"], steps=[1, 2, 3, 4], short_halflife_steps=1.0, long_halflife_steps=3.0).set_index("shard")
+    # halflife 1: alpha = 1/2: 2 -> 3 -> 1.5 -> 2.75
+    assert r.loc["a", "fwd_short"] == pytest.approx(2.75)
+    assert r.loc["a", "opt_short"] == pytest.approx(0.75)  # 1, 1, 0 -> 1, 1, 0.5, 0.75
+    alpha = 1 - 2 ** (-1 / 3)
+    s = 2.0
+    for x in (4, 0, 4):
+        s += alpha * (x - s)
+    assert r.loc["a", "fwd_long"] == pytest.approx(s)
+    # the 2-step window spreads 6 forward accesses as 3 + 3; step 4 has no row: 3, 3, 2, 0 -> 1.25
+    assert r.loc["b", "fwd_short"] == pytest.approx(1.25)
+    # a shard with no rows at all is all zeros, never NaN
+    assert (r.loc["c", [c for c in r.columns if c.endswith(("_short", "_long"))]] == 0).all()
+    assert r.loc["a", "accesses_short"] == pytest.approx(2.75 + 2.75 + 0.75)
+    np.testing.assert_allclose(ewma(np.array([[1.0], [3.0]]), 1.0), [2.0])
+
+
+def test_unstable_when_short_and_long_disagree():
+    steps = list(range(1, 21))
+    rows = []
+    for s in steps:
+        rows.append((s, "steady", 4, 4, 1))
+        rows.append((s, "jumped", 10 if s > 17 else 1, 0, 0))  # routing changed 3 steps ago
+        if s % 2:
+            rows.append((s, "trickle", 0.02, 0, 0))  # tiny: disagreement below min_accesses is noise
+    r = access_rates(rows_frame(rows), ["steady", "jumped", "trickle"], steps=steps).set_index("shard")
+    assert not r.loc["steady", "unstable"]
+    assert r.loc["jumped", "unstable"]
+    assert r.loc["jumped", "accesses_short"] > 2 * r.loc["jumped", "accesses_long"]
+    assert not r.loc["trickle", "unstable"]
+
+
+def test_an_idle_expert_decays_to_zero():
+    steps = list(range(1, 31))
+    rows = [(s, "dense", 2, 2, 1) for s in steps] + [(s, "expert", 4, 4, 1) for s in (1, 2, 3)]  # then no rows
+    r = access_rates(rows_frame(rows), ["dense", "expert"], steps=steps, short_halflife_steps=2, long_halflife_steps=10)
+    r = r.set_index("shard")
+    idle = 27  # steps without a row
+    assert r.loc["expert", "fwd_short"] == pytest.approx(4 * 0.5 ** (idle / 2))
+    assert r.loc["expert", "fwd_long"] == pytest.approx(4 * 0.5 ** (idle / 10))
+    assert r.loc["expert", "fwd_short"] < 1e-3 and r.loc["expert", "fwd_long"] < 0.7
+    assert r.loc["dense", "fwd_long"] == pytest.approx(2.0)
+
+
+# ------------------------------------------------------------------------------ hotness: stall cost
+def one_shard_workload(numel=1 << 18, fwd=1.0, bwd=1.0, compute_fwd_s=0.0, **kw):
+    """A big compute-only shard first, then the shard under test (index 1)."""
+    rows = [{"numel": 1 << 20, "fwd_accesses_per_step": 1.0, "bwd_accesses_per_step": 1.0, "pin_param": "cpu",
+             "pin_optim": "cpu", "param_tier": "cpu", "optim_tier": "cpu"},
+            {"numel": numel, "fwd_accesses_per_step": fwd, "bwd_accesses_per_step": bwd, "compute_weight": 1.0}]
+    settings = {**LINEAR, **kw}
+    return Workload.from_rows(rows, compute_fwd_s=compute_fwd_s, update_s_per_elem=1e-9, **settings)
+
+
+def test_stall_cost_grows_with_accesses_and_bytes_and_vanishes_with_slack():
+    base = stall_cost(one_shard_workload(), CM).iloc[1]
+    read_s = READ_LAT + (4 << 18) / READ_BPS
+    assert base["param_read_s"] == pytest.approx(read_s)
+    rewrite_s = WRITE_LAT + (4 << 18) / WRITE_BPS  # the param file rewritten after the update (writes synchronous)
+    assert base["param_stall_s"] == pytest.approx(2 * read_s + rewrite_s)  # a forward and a backward read, no window
+    more_uses = stall_cost(one_shard_workload(fwd=3, bwd=3), CM).iloc[1]  # more uses: still one read per phase
+    assert more_uses["param_stall_s"] == pytest.approx(base["param_stall_s"])
+    accumulation = stall_cost(one_shard_workload(fwd=3, bwd=3, micro_batches=3), CM).iloc[1]  # 3 passes: 3x the reads
+    assert accumulation["param_stall_s"] == pytest.approx(3 * 2 * read_s + rewrite_s)
+    bigger = stall_cost(one_shard_workload(numel=1 << 20), CM).iloc[1]
+    assert bigger["param_stall_s"] > 3 * base["param_stall_s"]
+    assert bigger["param_saved_s_per_byte"] < base["param_saved_s_per_byte"]  # latency amortised over more bytes
+    # a prefetch window: the read of shard 1 is issued at the start of the pass, while shard 0
+    # (compute only, DRAM) runs for compute_fwd_s * its share
+    for compute_fwd_s, expect_zero in ((1.0, True), (1e-5, False)):
+        # (with a write window the param rewrite runs behind: only reads can stall)
+        cost = stall_cost(one_shard_workload(compute_fwd_s=compute_fwd_s, prefetch_bytes=8 << 20,
+                                             write_window_bytes=None), CM).iloc[1]
+        fwd_slack = compute_fwd_s * (1 << 20) / ((1 << 20) + 1)
+        assert cost["param_slack_s"] >= fwd_slack * 0.999 / 2  # mean over the forward and the backward read
+        assert (cost["param_stall_s"] == 0) == expect_zero
+    # the optimizer group: read + write-back (synchronous here) + the spilled gradient
+    o = base
+    g_read = 3 * READ_LAT + (12 << 18) / READ_BPS + READ_LAT + (4 << 18) / READ_BPS
+    g_write = 3 * WRITE_LAT + (12 << 18) / WRITE_BPS + WRITE_LAT + (4 << 18) / WRITE_BPS
+    assert o["optim_stall_s"] == pytest.approx(g_read + g_write)
+    assert o["optim_dram_bytes"] == 16 << 18 and o["param_dram_bytes"] == 4 << 18
+
+
+# ------------------------------------------------------------------------------ simulator
+def random_workload(seed: int, n: int | None = None, **settings) -> Workload:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 40)) if n is None else n
+    rows = []
+    for i in range(n):
+        uses = float(rng.choice([0.3, 1.0, 1.0, 2.0]))
+        rows.append({"numel": int(rng.integers(1 << 12, 1 << 19)), "fwd_accesses_per_step": uses,
+                     "bwd_accesses_per_step": uses, "opt_accesses_per_step": min(1.0, uses),
+                     "chunk": bool(rng.random() < 0.15), "trainable": bool(rng.random() > 0.1)})
+    kw = dict(compute_fwd_s=float(rng.uniform(0.002, 0.05)), update_s_per_elem=2e-9, update_overhead_s=2e-5,
+              fetch_overhead_s=5e-5)
+    kw.update(settings)
+    return Workload.from_rows(rows, **kw)
+
+
+def test_all_dram_prediction_is_compute_plus_updates():
+    wl = random_workload(1, prefetch_bytes=64 << 20, reuse_distance_bytes=1 << 30, updates_during_backward=True,
+                         micro_batches=2, overhead_s=0.01)
+    p = simulate(wl, wl.all_dram_placement(), CM)
+    df = wl.shards
+    updates = float((df["opt_accesses_per_step"] * df["trainable"] * (wl.update_overhead_s + df["numel"] * wl.update_s_per_elem)).sum())
+    assert p.step_s == pytest.approx(wl.compute_fwd_s + wl.compute_bwd_s + updates + 0.01, rel=1e-12)
+    assert p.stall_s == 0 and p.nvme_read_bytes == 0 and p.nvme_write_bytes == 0 and p.disk_busy_s == 0
+    assert p.forward_s == pytest.approx(wl.compute_fwd_s) and p.optimizer_s == pytest.approx(updates)
+
+
+@pytest.mark.parametrize("servers", [1, 3])
+def test_all_nvme_prediction_is_above_the_roofline(servers):
+    for seed in range(6):
+        wl = random_workload(seed, prefetch_bytes=256 << 20, reuse_distance_bytes=1 << 30,
+                             updates_during_backward=bool(seed % 2), micro_batches=1 + seed % 3, disk_servers=servers,
+                             compute_fwd_s=1e-4)  # I/O-bound
+        p = simulate(wl, wl.all_nvme_placement(), CM)
+        df = wl.shards
+        k = wl.micro_batches
+        # bytes the step must move at least, computed here from the placement alone: every param
+        # read once per pass that uses it, every updated group read and written once
+        used = np.minimum(df["fwd_accesses_per_step"] / k, 1.0)
+        must_read = float((k * used * df["param_bytes"]).sum() + (df["opt_accesses_per_step"] * df["optim_bytes"]).sum())
+        must_write = float((df["opt_accesses_per_step"] * df["optim_bytes"]).sum())
+        assert p.nvme_read_bytes >= must_read * (1 - 1e-9) and p.nvme_write_bytes >= must_write * (1 - 1e-9)
+        roofline_s = (must_read / READ_BPS + must_write / WRITE_BPS) / servers
+        assert p.step_s >= roofline_s
+        assert p.step_s >= p.compute_s and p.step_s >= p.roofline_s
+
+
+def moves_to_dram(seeds, settings_of, trials=25):
+    """(checked, slower, worst relative slow-down) of random single moves of a home to DRAM."""
+    checked = slower = 0
+    worst = 0.0
+    for seed in seeds:
+        rng = np.random.default_rng(100 + seed)
+        wl = random_workload(seed, **settings_of(rng))
+        sim = Simulator(wl, CM)
+        n = len(wl.shards)
+        trainable = wl.shards["trainable"].tolist()
+        for _ in range(trials):
+            pc = [int(x) for x in rng.choice([0, 2], n)]
+            oc = [int(rng.choice([1, 2])) if t else 0 for t in trainable]
+            before = sim.run(pc, oc).step_s
+            for i in rng.choice(n, size=min(n, 4), replace=False):
+                for state in ("param", "optim"):
+                    pc2, oc2 = list(pc), list(oc)
+                    if state == "param" and pc[i] == 2:
+                        pc2[i] = 0
+                    elif state == "optim" and oc[i] == 2:
+                        oc2[i] = 1
+                    else:
+                        continue
+                    after = sim.run(pc2, oc2).step_s
+                    checked += 1
+                    if after > before * (1 + 1e-12):
+                        slower += 1
+                        worst = max(worst, after / before - 1)
+    return checked, slower, worst
+
+
+def test_moving_a_home_to_dram_never_predicts_a_slower_step():
+    """Monotone where the engine is: no prefetch window, one disk server, no keep-for-reuse, no
+    updates during backward, no optimizer read-ahead (any write window, 1-3 micro-batches)."""
+    checked, slower, worst = moves_to_dram(range(30), lambda rng: dict(
+        prefetch_bytes=0, reuse_distance_bytes=0, updates_during_backward=False, pipeline_read=False, disk_servers=1,
+        micro_batches=int(rng.choice([1, 2, 3])), write_window_bytes=None if rng.random() < 0.5 else 0))
+    assert checked > 2000 and slower == 0, (slower, worst)
+
+
+def test_where_the_engine_is_not_monotone_the_prediction_is_only_slightly_worse():
+    """With the engine's overlap on, a home moved to DRAM can make the engine (and so the
+    simulator) slower: the prefetcher issues reads only when an NVMe param is fetched, so a shard
+    moved to DRAM removes a chance to issue and the next reads start later; window room freed by a
+    DRAM move gets filled by params kept for reuse, which starve the prefetch; a group leaving NVMe
+    moves its update from the backward worker onto the main thread, or shrinks the write window;
+    the optimizer phase asks for the next NVMe group's read only when it reaches an NVMe group, so
+    a DRAM group in front delays the pipeline's start; and several disk servers have list-scheduling
+    anomalies. These are small; the greedy solver takes only moves it predicts to help."""
+    checked, slower, worst = moves_to_dram(range(40), lambda rng: dict(
+        prefetch_bytes=int(rng.choice([0, 1 << 20, 8 << 20, 1 << 30])), reuse_distance_bytes=int(rng.choice([0, 1 << 30])),
+        updates_during_backward=bool(rng.random() < 0.5), micro_batches=int(rng.choice([1, 2, 3, 5])),
+        disk_servers=int(rng.choice([1, 4])), pipeline_read=bool(rng.random() < 0.7),
+        cpu_contention=float(rng.choice([0.0, 1.0]))))
+    print(f"\n{slower} of {checked} random moves to DRAM predicted slower, by at most {worst:.2%}")
+    assert checked > 2000 and slower < 0.1 * checked and worst < 0.05
+
+
+def test_the_prefetch_window_matters():
+    wl = random_workload(7, n=30, compute_fwd_s=0.2, reuse_distance_bytes=0, disk_servers=1)
+    nvme = wl.all_nvme_placement()
+    none = simulate(wl, nvme, CM, prefetch_bytes=0)
+    small = simulate(wl, nvme, CM, prefetch_bytes=int(wl.shards["param_bytes"].max()))
+    big = simulate(wl, nvme, CM, prefetch_bytes=1 << 30)
+    assert none.stall_s > small.stall_s > big.stall_s
+    assert none.step_s > small.step_s > big.step_s
+    # without a window every read is a stall: exactly the reads' time (plus the fetch overheads)
+    reads = none.nvme_read_bytes
+    assert none.forward_s + none.backward_s >= wl.compute_fwd_s + wl.compute_bwd_s + reads / READ_BPS * 0.5
+    # compute-bound with a big window: the params are hidden, what is left is the optimizer's I/O
+    assert big.forward_s == pytest.approx(wl.compute_fwd_s, rel=0.2)
+    # a window smaller than the largest param is no window, as the engine sizes it
+    tiny = simulate(wl, nvme, CM, prefetch_bytes=int(wl.shards["param_bytes"].max()) - 1)
+    assert tiny.step_s == pytest.approx(none.step_s)
+
+
+def test_in_the_linear_regime_the_simulator_equals_the_stall_cost():
+    wl = random_workload(3, **LINEAR)
+    lin = stall_cost(wl, CM)
+    sim = Simulator(wl, CM)
+    base = sim.predict(wl.all_nvme_placement())
+    for i, name in enumerate(wl.names[:12]):
+        p = sim.predict({name: {"param": "cpu"}})
+        assert base.step_s - p.step_s == pytest.approx(lin["param_stall_s"].iat[i], rel=1e-9, abs=1e-12)
+        if wl.shards["trainable"].iat[i]:
+            o = sim.predict({name: {"optim": "cpu"}})
+            assert base.step_s - o.step_s == pytest.approx(lin["optim_stall_s"].iat[i], rel=1e-9, abs=1e-12)
+
+
+def test_calibrated_overhead_makes_the_measured_placement_match():
+    wl = random_workload(4, prefetch_bytes=8 << 20)
+    measured = wl.all_nvme_placement()
+    raw = simulate(wl, measured, CM).step_s
+    cal = calibrate(wl, CM, placement=measured, measured_step_s=raw * 1.3)
+    assert cal.overhead_s == pytest.approx(0.3 * raw)
+    assert simulate(cal, measured, CM).step_s == pytest.approx(raw * 1.3)
+    other = wl.all_dram_placement()
+    assert simulate(cal, other, CM).step_s - simulate(wl, other, CM).step_s == pytest.approx(0.3 * raw)
+
+
+def test_placement_forms_agree():
+    wl = random_workload(5)
+    names = wl.names
+    engine_form = {n: {"param": "cpu" if i % 2 else "nvme", "optim": "nvme" if wl.shards["trainable"].iat[i] else "none"}
+                   for i, n in enumerate(names)}
+    tuple_form = {n: (t["param"], t["optim"]) for n, t in engine_form.items()}
+    home_form = {(n, "param"): t["param"] for n, t in engine_form.items()}
+    a, b, c = (simulate(wl, p, CM).step_s for p in (engine_form, tuple_form, home_form))
+    assert a == b == c
+
+
+def test_a_thousand_shards_simulate_fast():
+    wl = random_workload(0, n=1000, prefetch_bytes=64 << 20, reuse_distance_bytes=1 << 30, disk_servers=4)
+    sim = Simulator(wl, CM)
+    rng = np.random.default_rng(0)
+    placements = [sim.codes({n: {"param": str(rng.choice(["cpu", "nvme"])), "optim": str(rng.choice(["cpu", "nvme"]))}
+                             for n, tr in zip(wl.names, wl.shards["trainable"]) if tr}) for _ in range(3)]
+    placements.append(sim.codes(wl.all_nvme_placement()))
+    times = []
+    for pc, oc in placements * 3:
+        t0 = time.perf_counter()
+        sim.run(pc, oc)
+        times.append(time.perf_counter() - t0)
+    best_mixed, best_nvme = min(times[:3] + times[4:7] + times[8:11]), min(times[3::4])
+    print(f"\n1000 shards: {best_mixed * 1e3:.1f} ms a mixed placement, {best_nvme * 1e3:.1f} ms all on NVMe")
+    # < 10 ms on an idle core for a mixed placement; generous here: the test machine is shared
+    assert best_mixed < 0.05 and best_nvme < 0.1
+
+
+# ------------------------------------------------------------------------------ solver
+def brute_force(wl: Workload, lin: pd.DataFrame, room: int) -> float:
+    """The least linear stall of any placement within the room, by enumeration."""
+    df = wl.shards
+    options = []
+    for i in range(len(df)):
+        ps = [df["pin_param"].iat[i]] if df["pin_param"].iat[i] else ["nvme", "cpu"]
+        os_ = ["none"] if not df["trainable"].iat[i] else [df["pin_optim"].iat[i]] if df["pin_optim"].iat[i] else ["nvme", "cpu"]
+        options.append([(p, o) for p in ps for o in os_])
+    best = math.inf
+    for combo in itertools.product(*options):
+        tp = [p for p, _ in combo]
+        to = [o for _, o in combo]
+        if home_dram_bytes(wl, tp, to).sum() > room:
+            continue
+        cost = sum(lin["param_stall_s"].iat[i] * (tp[i] == "nvme") + lin["optim_stall_s"].iat[i] * (to[i] == "nvme")
+                   for i in range(len(df)))
+        best = min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_milp_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 6))  # at most 10 homes
+    rows = [{"numel": int(rng.integers(1 << 10, 1 << 18)), "fwd_accesses_per_step": float(rng.choice([0.1, 1, 3])),
+             "bwd_accesses_per_step": float(rng.choice([0.1, 1])), "trainable": bool(rng.random() > 0.2)} for _ in range(n)]
+    if seed % 3 == 0:
+        rows[0]["pin_param"] = "cpu"
+    if seed % 3 == 1:
+        rows[-1]["pin_optim"] = "nvme"
+    wl = Workload.from_rows(rows, compute_fwd_s=float(rng.uniform(1e-4, 1e-2)), update_s_per_elem=2e-9,
+                            prefetch_bytes=int(rng.choice([0, 1 << 20])), aliases_master=bool(seed % 2))
+    total = wl.dram_bytes(wl.all_dram_placement())
+    for frac in (0.15, 0.4, 0.7):
+        room = int(frac * total)
+        if wl.dram_bytes(wl.all_nvme_placement()) > room:
+            continue
+        plan = solve(wl, CM, room, method="milp", reserved_bytes=0)
+        lin = stall_cost(wl, CM)
+        assert plan.dram_bytes <= room
+        assert plan.objective_s == pytest.approx(brute_force(wl, lin, room), rel=1e-9, abs=1e-12)
+
+
+def test_greedy_is_within_one_home_of_the_milp_in_the_linear_regime():
+    """With every I/O synchronous the simulator is additive, so the greedy (by simulated gain per
+    byte) is the density greedy of a knapsack: it loses at most the value of one home against the
+    optimum (the best home that no longer fits). The MILP is then the simulator's true optimum."""
+    gaps = []
+    for seed in range(12):
+        wl = random_workload(200 + seed, **LINEAR)
+        total = wl.dram_bytes(wl.all_dram_placement())
+        lin = stall_cost(wl, CM)
+        one_home = float(max(lin["param_stall_s"].max(), lin["optim_stall_s"].max()))
+        for frac in (0.2, 0.5):
+            g = solve(wl, CM, int(frac * total), reserved_bytes=0)
+            m = solve(wl, CM, int(frac * total), reserved_bytes=0, method="milp")
+            assert m.prediction.step_s <= g.prediction.step_s * (1 + 1e-9)
+            assert g.prediction.step_s <= m.prediction.step_s + one_home * (1 + 1e-9)
+            gaps.append((g.prediction.step_s - m.prediction.step_s) / m.prediction.step_s)
+    print(f"\ngreedy vs MILP (linear regime): mean gap {np.mean(gaps):.2%}, max {np.max(gaps):.2%}")
+    assert np.mean(gaps) < 0.02
+
+
+def test_greedy_beats_or_matches_the_linear_milp_under_the_full_simulator():
+    """With prefetch, pipelining and updates during backward the linear model misjudges overlap; the
+    greedy re-simulates, so on average its plan is predicted much faster than the MILP's. On a few
+    instances it is a little slower: a knapsack greedy can fill the last of the room with homes
+    that are dense one by one but worse together, and the simulated gains are not additive. The
+    margin, 3%, is what 10 random instances of 5-40 shards at a 30% budget need (the worst was
+    2.2%); the linear-regime test above holds the greedy to the provable one-home bound."""
+    worse = []
+    for seed in range(10):
+        wl = random_workload(300 + seed, prefetch_bytes=4 << 20, reuse_distance_bytes=1 << 30,
+                             updates_during_backward=bool(seed % 2), disk_servers=4, compute_fwd_s=0.01)
+        total = wl.dram_bytes(wl.all_dram_placement())
+        g = solve(wl, CM, int(0.3 * total), reserved_bytes=0)
+        m = solve(wl, CM, int(0.3 * total), reserved_bytes=0, method="milp")
+        worse.append(g.prediction.step_s / m.prediction.step_s - 1)
+    print(f"\ngreedy vs MILP (full simulator): greedy slower by at most {max(worse):.2%}, mean {np.mean(worse):+.2%}")
+    assert max(worse) <= 0.03 and np.mean(worse) < 0
+
+
+def test_budget_and_pins_are_honoured():
+    rng = np.random.default_rng(9)
+    rows = [{"numel": int(rng.integers(1 << 14, 1 << 18)), "fwd_accesses_per_step": 3.0, "bwd_accesses_per_step": 3.0}
+            for _ in range(12)]
+    rows[0].update(pin_param="nvme", fwd_accesses_per_step=50.0)  # hottest, but pinned to NVMe
+    rows[1].update(pin_param="cpu", pin_optim="cpu", fwd_accesses_per_step=0.01, bwd_accesses_per_step=0.01)  # cold, pinned to DRAM
+    wl = Workload.from_rows(rows, compute_fwd_s=1e-3, update_s_per_elem=2e-9, prefetch_bytes=1 << 20)
+    assert wl.dram_bytes(wl.all_nvme_placement()) == 20 * rows[1]["numel"]  # param 4 + master, moments 12 + grad 4 B/elem
+    fixed = {wl.names[2]: {"optim": "nvme"}, (wl.names[3], "param"): "cpu"}  # pins given to the solver
+    pinned = wl.dram_bytes(fixed)  # the workload's pins and these
+    assert pinned == 20 * rows[1]["numel"] + 4 * rows[3]["numel"]
+    for method in ("greedy", "milp"):
+        for room in (pinned, pinned + (1 << 20), pinned + (4 << 20)):
+            plan = solve(wl, CM, room + 12345, reserved_bytes=12345, method=method, fixed=fixed)
+            assert plan.room_bytes == room and plan.dram_bytes <= room
+            assert plan.dram_bytes == wl.dram_bytes(plan.placement)
+            assert plan.placement[wl.names[0]]["param"] == "nvme"
+            assert plan.placement[wl.names[1]] == {"param": "cpu", "optim": "cpu"}
+            assert plan.placement[wl.names[2]]["optim"] == "nvme"
+            assert plan.placement[wl.names[3]]["param"] == "cpu"
+            assert not plan.scores.set_index(["shard", "state"]).loc[(wl.names[0], "param"), "movable"]
+    with pytest.raises(PlanError, match="pinned DRAM homes"):
+        solve(wl, CM, pinned - 1, reserved_bytes=0, fixed=fixed)
+
+
+def test_hot_small_shards_beat_a_cold_large_one():
+    small = 1 << 16
+    rows = [{"numel": small, "fwd_accesses_per_step": 1.0, "bwd_accesses_per_step": 1.0, "shard": f"hot{i}",
+             "compute_weight": 1.0} for i in range(4)]
+    # with gradient accumulation over 8 micro-batches the hot ones are read in every pass; the cold
+    # one only in 1 of 8 (conditional compute)
+    for r in rows:
+        r.update(fwd_accesses_per_step=8.0, bwd_accesses_per_step=8.0)
+    rows.append({"numel": 4 * small, "fwd_accesses_per_step": 1.0, "bwd_accesses_per_step": 1.0, "shard": "cold",
+                 "opt_accesses_per_step": 1.0})
+    wl = Workload.from_rows(rows, compute_fwd_s=1e-4, update_s_per_elem=2e-9, micro_batches=8, prefetch_bytes=0)
+    room = 4 * small * 4 + 1000  # the four hot params, or the cold param: not both
+    for method in ("greedy", "milp"):
+        plan = solve(wl, CM, room, reserved_bytes=0, method=method, fixed={n: {"optim": "nvme"} for n in wl.names})
+        in_dram = {n for n, t in plan.placement.items() if t["param"] == "cpu"}
+        assert in_dram == {"hot0", "hot1", "hot2", "hot3"}, (method, in_dram)
+        sc = plan.scores.set_index(["shard", "state"])
+        assert sc.loc[("hot0", "param"), "saved_s_per_byte"] > 4 * sc.loc[("cold", "param"), "saved_s_per_byte"]
+
+
+def test_a_skewed_moe_puts_the_hot_experts_in_dram_where_first_n_would_not():
+    """16 experts of one layer, 4 of them (9-12, not first in order) get most tokens; a dense
+    attention before and a head after. The budget holds 4 experts' params. DeepSpeed's max_in_cpu
+    ("the first N elements in DRAM") would keep experts 0-3."""
+    expert = 1 << 17
+    rows = [{"shard": "attn", "numel": 1 << 18, "pin_param": "cpu", "pin_optim": "cpu"}]
+    hot = {9, 10, 11, 12}
+    for e in range(16):
+        uses = 3.6 if e in hot else 0.05  # per step, over 4 micro-batches (tokens routed top-1)
+        rows.append({"shard": f"expert{e}", "kind": "expert", "numel": expert, "fwd_accesses_per_step": uses,
+                     "bwd_accesses_per_step": uses, "opt_accesses_per_step": min(1.0, uses)})
+    rows.append({"shard": "head", "numel": 1 << 18, "pin_param": "cpu", "pin_optim": "cpu"})
+    wl = Workload.from_rows(rows, compute_fwd_s=2e-3, update_s_per_elem=2e-9, micro_batches=4,
+                            prefetch_bytes=2 * 4 * expert, reuse_distance_bytes=1 << 30, disk_servers=2)
+    pinned = wl.dram_bytes(wl.all_nvme_placement())
+    room = pinned + 4 * 4 * expert
+    first_n = {f"expert{e}": {"param": "cpu"} for e in range(4)}
+    first_n_s = simulate(wl, first_n, CM).step_s
+    for method in ("greedy", "milp"):
+        plan = solve(wl, CM, room, reserved_bytes=0, method=method, fixed={f"expert{e}": {"optim": "nvme"} for e in range(16)})
+        in_dram = {n for n, t in plan.placement.items() if t["param"] == "cpu" and n.startswith("expert")}
+        assert in_dram == {f"expert{e}" for e in hot}, (method, in_dram)
+        assert plan.prediction.step_s < 0.9 * first_n_s, (method, plan.prediction.step_s, first_n_s)
+
+
+def test_the_plan_exposes_what_the_policy_needs():
+    wl = random_workload(11, prefetch_bytes=1 << 20)
+    total = wl.dram_bytes(wl.all_dram_placement())
+    plan = solve(wl, CM, total // 3, reserved_bytes=0)
+    homes, density, nbytes = plan.homes(), plan.density(), plan.home_bytes()
+    assert set(density) == set(nbytes) <= set(homes)
+    chosen = [h for h, t in homes.items() if t == "cpu"]
+    assert chosen and all(nbytes[h] > 0 for h in chosen)
+    assert plan.evaluations > 1 and plan.method == "greedy" and isinstance(plan, Plan)
+
+
+# ------------------------------------------------------------------------------ a real profile
+def test_plan_a_real_profile_end_to_end(tmp_path):
+    """Train the tiny GPT for a few steps with state on NVMe (block 0 pinned to DRAM), then build
+    the workload and the cost model from its profile, calibrate, and plan under a budget."""
+    torch.manual_seed(0)
+    model, cfg = build_model("gpt", "tiny")
+    nvme = str(tmp_path / "nvme")
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "module_parameters": {"blocks.0": {"device": "cpu"}}},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "module_parameters": {"blocks.0": {"device": "cpu"}}},
+        },
+        "zinf": {"chunk_size": "256KiB", "shard_min_bytes": "64KiB", "profiler": {"enabled": True, "db": url}},
+    }
+    data = gpt_batches(cfg)
+    with zinf.initialize(model, config) as engine:
+        for step in range(8):
+            x, y = data.get(step)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        need = engine.dram_need
+        placement = engine.placement
+        run_id = engine.recorder.wait_run_id(10)
+
+    wl = Workload.from_profile(url, run_id)
+    cm = CostModel.from_db(url, run_id)
+    assert wl.names == list(placement) and wl.measured_placement == placement
+    # the homes' DRAM bytes are counted as the engine counts them
+    assert wl.dram_bytes(placement) == need.param_homes_bytes + need.optim_homes_bytes > 0
+    pinned = wl.shards[wl.shards["shard"].str.startswith("blocks.0.")]
+    assert (pinned["pin_param"] == "cpu").all() and (pinned["pin_optim"] == "cpu").all() and len(pinned) == 4
+    assert "both homes in DRAM" in wl.source["update"]  # block 0's updates time the optimizer
+    assert wl.compute_fwd_s > 0 and wl.compute_bwd_s > 0 and wl.update_s_per_elem > 0
+    steps = queries.steps(url, run_id)
+    assert wl.measured_step_s == pytest.approx(steps[steps["step"] > 1]["wall_s"].median())
+
+    raw = simulate(wl, placement, cm)
+    ratio = raw.step_s / wl.measured_step_s
+    print(f"\nmeasured median step {wl.measured_step_s * 1e3:.1f} ms; simulated (measured placement, "
+          f"before calibration) {raw.step_s * 1e3:.1f} ms = {ratio:.2f}x "
+          f"(forward {raw.forward_s * 1e3:.1f} vs {wl.measured['forward_s'] * 1e3:.1f}, backward "
+          f"{raw.backward_s * 1e3:.1f} vs {wl.measured['backward_s'] * 1e3:.1f}, optimizer {raw.optimizer_s * 1e3:.1f} "
+          f"vs {wl.measured['optimizer_s'] * 1e3:.1f}, stall {raw.stall_s * 1e3:.1f} vs {wl.measured['stall_s'] * 1e3:.1f} ms)")
+    assert 1 / 3 < ratio < 3  # a loose sanity bound: the number printed is the result
+    cal = calibrate(wl, cm)
+    assert simulate(cal, placement, cm).step_s == pytest.approx(wl.measured_step_s)
+
+    homes_all = wl.dram_bytes(wl.all_dram_placement())
+    budget = wl.reserved_dram_bytes + wl.dram_bytes(wl.all_nvme_placement()) + homes_all // 3
+    for method in ("greedy", "milp"):
+        plan = solve(cal, cm, budget, method=method)
+        assert plan.dram_bytes <= plan.room_bytes == budget - wl.reserved_dram_bytes
+        for name in pinned["shard"]:
+            assert plan.placement[name] == {"param": "cpu", "optim": "cpu"}
+        assert plan.prediction.step_s <= simulate(cal, wl.all_nvme_placement(), cm).step_s * (1 + 1e-9)
+        print(f"{method}: {plan.dram_bytes / 2**20:.2f} of {plan.room_bytes / 2**20:.2f} MiB of homes in DRAM, "
+              f"predicted {plan.prediction.step_s * 1e3:.1f} ms, {plan.evaluations} simulations, {plan.solve_s * 1e3:.0f} ms")
