@@ -33,15 +33,48 @@ def initialize(model, config: Config | dict | str | os.PathLike | None = None, *
     (:class:`zinf.placement.PlacementController`); it can also be set later as ``engine.controller``.
     """
     cfg = load_config(config)
-    if recorder is None and cfg.zinf.profiler.enabled:
+    prof = cfg.zinf.profiler
+    adaptive = cfg.zinf.placement.policy == "adaptive" and controller is None
+    if adaptive:
+        _check_adaptive(cfg, recorder)
+    if recorder is None and (prof.enabled or adaptive):  # adaptive plans from the profile
         from profiler import Recorder as DbRecorder
 
-        prof = cfg.zinf.profiler
         recorder = DbRecorder(prof.db, detail=prof.detail, window_steps=prof.window_steps,
                               flush_interval_s=prof.flush_interval_s, heartbeat_s=prof.heartbeat_s)
     try:
+        if adaptive:
+            from planner.controller import AdaptiveController, ControllerSettings
+            from planner.policy import PolicySettings
+
+            pc = cfg.zinf.placement
+            policy = PolicySettings(margin=pc.adopt_margin, min_gain_fraction=pc.min_gain_fraction,
+                                    warm_band=pc.warm_band)
+            controller = AdaptiveController(
+                prof.db, recorder, int(cfg.zinf.dram_budget),
+                ControllerSettings(replan_every=pc.replan_every, policy=policy))
         return Engine(model, cfg, recorder=recorder, controller=controller)
     except BaseException:
         if recorder is not None:
             recorder.close()
         raise
+
+
+def _check_adaptive(cfg: Config, recorder) -> None:
+    """The adaptive policy plans from the profile database under the DRAM budget: both must exist."""
+    prof = cfg.zinf.profiler
+    if cfg.zinf.dram_budget is None:
+        raise errors.ConfigError(
+            "zinf.placement.policy 'adaptive' needs zinf.dram_budget, the DRAM it may fill with hot shards "
+            "(e.g. \"dram_budget\": \"8GiB\")")
+    if not prof.enabled and "enabled" in prof.model_fields_set:
+        raise errors.ConfigError(
+            "zinf.placement.policy 'adaptive' plans from the profile, but zinf.profiler.enabled is false; "
+            "remove that key or set it to true")
+    if prof.detail != "shard":
+        raise errors.ConfigError(
+            "zinf.placement.policy 'adaptive' needs per-shard accesses: set zinf.profiler.detail to 'shard'")
+    if recorder is not None and not hasattr(recorder, "record_plan"):
+        raise errors.ConfigError(
+            "zinf.placement.policy 'adaptive' needs the profiler's database recorder; do not pass recorder=, "
+            "or pass controller= yourself")

@@ -593,6 +593,17 @@ class PlacementConfig(_Section):
     plan_file: OptionalPath = None
     """A saved ``plan.json`` to start from instead of planning from scratch."""
 
+    adopt_margin: float = Field(1.5, ge=0)
+    """Adaptive: a plan is adopted only when its predicted gain over the next few re-plan periods
+    exceeds its migration time times this (0: any predicted gain)."""
+
+    min_gain_fraction: float = Field(0.02, ge=0, lt=1)
+    """Adaptive: predicted gains below this fraction of the step time are ignored as noise."""
+
+    warm_band: float = Field(0.15, ge=0, lt=1)
+    """Adaptive: homes whose value per byte is within this fraction of the plan's DRAM threshold
+    stay where they are (hysteresis against ping-pong)."""
+
 
 class ProfilerConfig(_Section):
     """The profiler that records per-step and per-shard timings to a database."""

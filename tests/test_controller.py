@@ -1,0 +1,163 @@
+"""The adaptive placement controller end to end: a real run profiles into SQLite, the planner
+re-plans from it, the engine migrates between steps — and training still matches plain PyTorch.
+
+The workload is a small MoE whose zipf router sends most of a step's few tokens to a few experts
+that are not the first in model order, with all state on NVMe at the start and a DRAM budget
+that holds only part of it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zinf
+from zinf.errors import ConfigError
+from zinf.models import build_model
+from zinf.models.data import TokenBatches, markov_tokens
+from zinf.models.moe import set_routing
+
+from profiler import queries
+
+from test_equivalence import OPT
+
+MiB = 1 << 20
+REPLAN = 4
+
+
+def skewed_moe(seq_len: int = 4):
+    torch.manual_seed(0)
+    model, cfg = build_model("moe", "tiny", router="zipf", routing_skew=1.5)
+    data = TokenBatches(markov_tokens(cfg.vocab_size, 20_000, seed=1), 1, seq_len, seed=1)
+    return model, cfg, data
+
+
+def adaptive_config(tmp_path, budget_bytes: int, **placement) -> dict:
+    nvme = str(tmp_path / "nvme")
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": OPT,
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
+        "zinf": {"device": "cpu", "chunk_size": "64KiB", "shard_min_bytes": "16KiB",
+                 "staging_buffer_size": "1MiB", "staging_buffers": 2, "dram_budget": budget_bytes,
+                 # Adopt any plan predicted faster: whether a gain pays for its migrations depends on
+                 # timings of this shared machine; tests/test_policy.py tests that judgement.
+                 "placement": {"policy": "adaptive", "replan_every": REPLAN, "adopt_margin": 0,
+                               "min_gain_fraction": 0, **placement},
+                 "profiler": {"db": f"sqlite:///{tmp_path}/profile.db"}},
+    }
+
+
+def train_plain(model, data, steps: int) -> tuple[list[float], dict]:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = data.get(step)
+        loss = model(x, y)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def test_adaptive_run_plans_migrates_hot_experts_and_matches_pytorch(tmp_path):
+    steps = 3 * REPLAN + 2
+    model, cfg, data = skewed_moe()
+    ref_model, _, _ = skewed_moe()
+    ref_losses, ref_params = train_plain(ref_model, data, steps)
+
+    url = f"sqlite:///{tmp_path}/profile.db"
+    losses = []
+    with zinf.initialize(model, adaptive_config(tmp_path, 8 * MiB)) as engine:
+        controller = engine.controller
+        assert controller is not None and engine.recorder.enabled, "adaptive turns the profiler on itself"
+        assert (controller.settings.replan_every, controller.policy.settings.margin) == (REPLAN, 0)
+        for step in range(steps):
+            x, y = data.get(step)
+            loss = engine(x, y)
+            losses.append(loss.item())
+            engine.backward(loss)
+            engine.step()
+        params = engine.state_dict()
+        placement = engine.placement
+        engine.recorder.flush()
+        run_id = engine.recorder.run_id
+        plan_version = engine.plan_version
+
+    # training is exact whatever moved where
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6
+    for name, ref in ref_params.items():
+        assert (params[name] - ref).abs().max().item() <= 1e-6, name
+
+    # it planned every REPLAN steps after the first ones, adopted a plan, and the plan moved homes
+    plans = queries.plans(url, run_id)
+    assert len(plans) >= 2 and plans["adopted"].any(), plans
+    assert plan_version == int(plans["adopted"].sum())
+    migrations = queries.migrations(url, run_id)
+    assert len(migrations) > 0 and set(migrations["dst_tier"]) <= {"cpu", "nvme"}
+    in_dram = {(n, s) for n, t in placement.items() for s, tier in t.items() if tier == "cpu"}
+    assert in_dram, "the budget has room: some homes must have come into DRAM"
+    steps_df = queries.steps(url, run_id)
+    assert (steps_df["migration_s"] > 0).any() and steps_df["plan_version"].max() == plan_version
+    assignments = queries.plan_assignments(url, int(plans.loc[plans["adopted"], "plan_id"].iloc[0]))
+    assert len(assignments) == len(placement)
+
+    # DRAM went to the hot experts, not to the first ones in model order
+    stats = queries.shard_access_stats(url, run_id).set_index("name")
+    experts = stats[stats["kind"] == "expert"]
+    hot = [n for n in experts.index if (n, "param") in in_dram or (n, "optim") in in_dram]
+    cold = [n for n in experts.index if n not in hot]
+    assert hot and cold, (hot, cold)
+    rate = experts["accesses_per_step"]
+    assert rate[hot].mean() > 1.5 * rate[cold].mean(), (rate[hot].mean(), rate[cold].mean())
+
+
+def test_a_routing_change_gets_a_new_plan_within_two_periods(tmp_path):
+    model, cfg, data = skewed_moe()
+    url = f"sqlite:///{tmp_path}/profile.db"
+    drift_at = 3 * REPLAN
+    with zinf.initialize(model, adaptive_config(tmp_path, 8 * MiB)) as engine:
+        for step in range(drift_at + 2 * REPLAN + 1):
+            if step == drift_at:
+                version_before = engine.plan_version
+                set_routing(engine, seed=7)
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        placement = engine.placement
+        engine.recorder.flush()
+        run_id = engine.recorder.run_id
+        version_after = engine.plan_version
+    assert version_before >= 1, "a plan was adopted before the change"
+    assert version_after > version_before, "no new plan within two re-plan periods of the change"
+    plans = queries.plans(url, run_id)
+    adopted_after = plans[plans["adopted"] & (plans["created_step"] > drift_at)]
+    assert len(adopted_after) >= 1 and adopted_after["created_step"].min() <= drift_at + 2 * REPLAN
+    # after the change, DRAM holds experts the new routing uses more than those left on NVMe
+    shard_steps = queries.shard_steps(url, run_id)
+    after = shard_steps[shard_steps["step"] > drift_at]  # rows carry the step number after the step
+    rate = after.groupby("name")["forward_accesses"].sum()
+    experts = [n for n in placement if ".experts." in n]
+    rate = rate.reindex(experts, fill_value=0)
+    hot = [n for n in experts if "cpu" in placement[n].values()]
+    cold = [n for n in experts if n not in hot]
+    assert hot and cold
+    assert rate[hot].mean() > 1.5 * rate[cold].mean(), (rate[hot].mean(), rate[cold].mean())
+
+
+def test_adaptive_needs_a_budget_and_the_profiler(tmp_path):
+    model, _, _ = skewed_moe()
+    config = adaptive_config(tmp_path, 8 * MiB)
+    del config["zinf"]["dram_budget"]
+    with pytest.raises(ConfigError, match="dram_budget"):
+        zinf.initialize(model, config)
+    config = adaptive_config(tmp_path, 8 * MiB)
+    config["zinf"]["profiler"]["enabled"] = False
+    with pytest.raises(ConfigError, match="profiler.enabled"):
+        zinf.initialize(model, config)
+    config = adaptive_config(tmp_path, 8 * MiB)
+    config["zinf"]["profiler"]["detail"] = "step"
+    with pytest.raises(ConfigError, match="detail"):
+        zinf.initialize(model, config)
