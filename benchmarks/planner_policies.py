@@ -171,6 +171,8 @@ def policy_config(w: Workload, policy: str, swap: Path, budget_bytes: int, *, ma
         cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
     elif policy == "adaptive":
         cfg["zinf"]["placement"] = {"policy": "adaptive", "replan_every": replan_every}
+        # it plans from the profile (and pays for recording it): a database beside the swap files
+        cfg["zinf"]["profiler"] = {"db": f"sqlite:///{swap}/profile.db"}
     elif policy != "nvme":
         raise SystemExit(f"unknown policy {policy!r}; use {', '.join(POLICIES)}")
     return cfg

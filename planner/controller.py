@@ -96,10 +96,15 @@ class AdaptiveController:
         self._last_plan_step = 0
         self._recent_s: deque[float] = deque(maxlen=max(1, self.settings.drift_steps))
         self._warned: set[str] = set()
+        # Measured cost of this engine's migrations (seconds per byte moved, all overheads in),
+        # from the reports of the moves it applied; None until one moved bytes.
+        self.migration_s_per_byte: float | None = None
+        self._seen_report = None
 
     # ------------------------------------------------------------------ the engine's hook
     def after_step(self, engine) -> list[Move] | None:
         step = engine.global_steps
+        self._learn_migration_cost(getattr(engine, "last_migration", None))
         last = getattr(engine, "last_step", None)  # the previous step's {"wall_s": ...}
         if last and last.get("wall_s") is not None and self._target is None:
             self._recent_s.append(float(last["wall_s"]))
@@ -162,6 +167,8 @@ class AdaptiveController:
 
         def move_s(m: Move) -> float:
             nbytes = int(shards.at[m.shard, "param_bytes" if m.state == "param" else "optim_bytes"])
+            if self.migration_s_per_byte is not None:  # what this engine's moves really took
+                return nbytes * self.migration_s_per_byte
             return float(cost.predict_s("nvme", "write" if m.dst == "nvme" else "read", nbytes))
 
         # Both sides with the plan's prefetch window: after any migration the engine re-sizes its
@@ -205,6 +212,19 @@ class AdaptiveController:
         self._target = decision.placement
         self._predicted_step_s = predicted_s
         return decision.moves
+
+    def _learn_migration_cost(self, report) -> None:
+        """Fold a new migration report into :attr:`migration_s_per_byte` (EWMA, weight 1/2): a
+        move costs more than its disk I/O (verification read-back, buffer re-sizing), and the
+        adoption test must weigh what moves really cost."""
+        if report is None or report is self._seen_report:
+            return
+        self._seen_report = report
+        if report.bytes_moved <= 0 or report.seconds <= 0:
+            return
+        rate = report.seconds / report.bytes_moved
+        old = self.migration_s_per_byte
+        self.migration_s_per_byte = rate if old is None else 0.5 * (old + rate)
 
     def _drifted(self) -> bool:
         """The placement has landed and its measured median step is far from the prediction."""
