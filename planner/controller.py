@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from zinf.errors import ZinfError
 from zinf.placement import Move
@@ -37,7 +37,7 @@ from zinf.placement import Move
 from planner.costmodel import CostModel
 from planner.policy import Decision, PlacementPolicy, PolicySettings, diff_moves
 from planner.simulator import Simulator, calibrate
-from planner.solver import Plan, solve
+from planner.solver import Plan, PlanError, solve
 from planner.workload import Workload
 
 log = logging.getLogger("zinf.planner")
@@ -146,22 +146,8 @@ class AdaptiveController:
         cost = CostModel.from_db(self.url, run_id)
         overlap = engine.overlap
         workload = calibrate(workload, cost, placement=engine.placement, prefetch_bytes=overlap.prefetch_bytes)
-        # What the engine holds besides the homes, as it counts it now. Its overlap buffers are
-        # sized from what the budget leaves, so an all-NVMe start hands the whole budget to the
-        # prefetch window; a plan keeps the fixed buffers (write-behind, read-ahead, updates in
-        # backward) and a prefetch window of a useful size, and gives the rest to hot homes.
-        need = engine.dram_need
-        param_bytes = workload.shards["param_bytes"]
-        useful_prefetch = max(2 * int(param_bytes.max()), int(param_bytes.sum()) // 10)
-        prefetch = min(overlap.prefetch_bytes, useful_prefetch)
-        reserved = (need.working_bytes + need.staging_bytes + overlap.write_bytes + overlap.read_ahead_bytes
-                    + overlap.eager_bytes + prefetch)
-        # Greedy (re-simulating) and MILP (on the linear stall model) miss different optima; the
-        # MILP is cheap (0.3 s for 1000 shards), so take whichever the simulator predicts faster.
-        plans = [solve(workload, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=prefetch,
-                       method=method) for method in ("greedy", "milp")]
-        plan = min(plans, key=lambda p: p.prediction.step_s)
-        sim = Simulator(workload, cost, prefetch_bytes=prefetch)
+        plan, sim = self._best_plan(engine, workload, cost)
+        now_sim = Simulator(workload, cost, prefetch_bytes=overlap.prefetch_bytes)
         current = _homes(engine.placement)
         shards = workload.shards.set_index("shard")
 
@@ -171,10 +157,9 @@ class AdaptiveController:
                 return nbytes * self.migration_s_per_byte
             return float(cost.predict_s("nvme", "write" if m.dst == "nvme" else "read", nbytes))
 
-        # Both sides with the plan's prefetch window: after any migration the engine re-sizes its
-        # window from what the homes leave, which the plan reserved (the current, larger window
-        # of an all-NVMe start is not one a placement with hot homes could keep).
-        current_step_s = sim.predict(current).step_s
+        # The current placement with the overlap buffers it has; candidates with the buffers the
+        # chosen plan leaves room for (the engine re-sizes them from what the homes leave).
+        current_step_s = now_sim.predict(current).step_s
         decision = self.policy.decide(
             current, plan.homes(), current_step_s=current_step_s,
             predict_step_s=lambda homes: sim.predict(homes).step_s,
@@ -187,7 +172,7 @@ class AdaptiveController:
         predicted_s = sim.predict(decision.placement).step_s
         reason = decision.as_reason() | {
             "current_step_s": current_step_s, "measured_step_s": workload.measured_step_s,
-            "solver": plan.method, "solver_s": plan.solve_s, "trigger": "drift" if drifted else "schedule",
+            "solver": plan.method, "solver_s": plan.solve_s, "note": plan.note, "trigger": "drift" if drifted else "schedule",
         }
         density = plan.density()
         assignments = [
@@ -212,6 +197,60 @@ class AdaptiveController:
         self._target = decision.placement
         self._predicted_step_s = predicted_s
         return decision.moves
+
+    def _best_plan(self, engine, workload: Workload, cost) -> tuple[Plan, Simulator]:
+        """The fastest predicted plan over a few ways of splitting the budget between homes and
+        the engine's overlap buffers.
+
+        The engine sizes its buffers from what the budget leaves (an all-NVMe start gives the
+        whole rest to the prefetch window), so the room for hot homes is a choice: keep the
+        buffers as they are; keep the fixed ones (write-behind, optimizer read-ahead, updates
+        during backward) and a prefetch window of a useful size (max(2 x largest param shard, 10%
+        of all params)); drop the updates during backward; drop prefetch too (worth it when the
+        params themselves fit in DRAM). Each is solved by the MILP (cheap); the best one again by
+        the greedy (re-simulating), and the faster of those two plans is kept. Dropping the
+        write-behind or the read-ahead too is what DeepSpeed-style ``max_in_cpu`` ends up doing when
+        its params take the budget: it can pay when param reads dominate (accumulation).
+        """
+        need, ov = engine.dram_need, engine.overlap
+        param_bytes = workload.shards["param_bytes"]
+        useful_prefetch = min(ov.prefetch_bytes, max(2 * int(param_bytes.max()), int(param_bytes.sum()) // 10))
+        fixed = need.working_bytes + need.staging_bytes
+        write, read = ov.write_bytes, ov.read_ahead_bytes
+        # label: (prefetch window, updates during backward, write-behind, read-ahead) -> bytes reserved
+        options = {
+            "buffers as now": (ov.prefetch_bytes, ov.eager, True, True),
+            "useful prefetch": (useful_prefetch, ov.eager, True, True),
+            "no updates in backward": (useful_prefetch, False, True, True),
+            "no prefetch": (0, False, True, True),
+            "no prefetch, no write-behind": (0, False, False, True),
+            "no overlap buffers": (0, False, False, False),
+        }
+        best: tuple[Plan, Workload, int] | None = None
+        for label, (prefetch, eager, keep_write, keep_read) in options.items():
+            reserved = (fixed + prefetch + (ov.eager_bytes if eager else 0) + (write if keep_write else 0)
+                        + (read if keep_read else 0))
+            wl = replace(workload, updates_during_backward=bool(eager and workload.updates_during_backward),
+                         prefetch_bytes=int(prefetch),
+                         write_window_bytes=workload.write_window_bytes if keep_write else 0,
+                         pipeline_read=workload.pipeline_read and keep_read)
+            try:
+                plan = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=prefetch,
+                             method="milp")
+            except PlanError:
+                continue  # this split leaves no room at all
+            plan.note = f"{plan.note}; buffers: {label}".lstrip("; ")
+            if best is None or plan.prediction.step_s < best[0].prediction.step_s:
+                best = (plan, wl, reserved)
+        if best is None:
+            raise PlanError("no split of zinf.dram_budget between homes and buffers leaves room for a plan")
+        plan, wl, reserved = best
+        greedy = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=wl.prefetch_bytes,
+                       method="greedy")
+        greedy.note = plan.note
+        if greedy.prediction.step_s < plan.prediction.step_s:
+            plan = greedy
+        return plan, Simulator(wl, cost, prefetch_bytes=wl.prefetch_bytes)
 
     def _learn_migration_cost(self, report) -> None:
         """Fold a new migration report into :attr:`migration_s_per_byte` (EWMA, weight 1/2): a
