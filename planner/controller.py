@@ -228,16 +228,13 @@ class AdaptiveController:
         }
         best: tuple[Plan, Workload, int] | None = None
         for label, (prefetch, eager, keep_write, keep_read) in options.items():
-            reserved = (fixed + prefetch + (ov.eager_bytes if eager else 0) + (write if keep_write else 0)
-                        + (read if keep_read else 0))
+            buffers = prefetch + (ov.eager_bytes if eager else 0) + (write if keep_write else 0) + (read if keep_read else 0)
             wl = replace(workload, updates_during_backward=bool(eager and workload.updates_during_backward),
                          prefetch_bytes=int(prefetch),
                          write_window_bytes=workload.write_window_bytes if keep_write else 0,
                          pipeline_read=workload.pipeline_read and keep_read)
-            try:
-                plan = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=prefetch,
-                             method="milp")
-            except PlanError:
+            plan, reserved = self._solve_with_working_set(engine, wl, cost, fixed, buffers)
+            if plan is None:
                 continue  # this split leaves no room at all
             plan.note = f"{plan.note}; buffers: {label}".lstrip("; ")
             if best is None or plan.prediction.step_s < best[0].prediction.step_s:
@@ -251,6 +248,30 @@ class AdaptiveController:
         if greedy.prediction.step_s < plan.prediction.step_s:
             plan = greedy
         return plan, Simulator(wl, cost, prefetch_bytes=wl.prefetch_bytes)
+
+    def _solve_with_working_set(self, engine, wl: Workload, cost, fixed: int, buffers: int):
+        """MILP plan with ``buffers`` bytes of overlap buffers, its room refined twice by the
+        working set the engine would have with the plan (smaller once params are resident), so
+        long as the refined plan still fits the budget by the engine's own count. Returns
+        ``(plan, reserved_bytes)``, or ``(None, 0)`` when this split leaves no room."""
+        staging = engine.dram_need.staging_bytes
+        reserved = fixed + buffers
+        plan = None
+        for _ in range(3):
+            try:
+                candidate = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved,
+                                  prefetch_bytes=wl.prefetch_bytes, method="milp")
+            except PlanError:
+                break
+            need = engine.dram_need_of(candidate.placement)
+            if need.total_bytes + buffers > self.dram_budget_bytes:
+                break  # the smaller working set assumed does not hold for this plan: keep the last
+            plan, used_reserved = candidate, reserved
+            refined = need.working_bytes + staging + buffers
+            if refined >= reserved:
+                break
+            reserved = refined
+        return (plan, used_reserved) if plan is not None else (None, 0)
 
     def _learn_migration_cost(self, report) -> None:
         """Fold a new migration report into :attr:`migration_s_per_byte` (EWMA, weight 1/2): a

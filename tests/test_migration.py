@@ -495,3 +495,17 @@ def test_migrations_show_in_the_torch_profiler(tmp_path):
             engine.migrate([Move(name, "param", "cpu"), Move(name, "optim", "cpu")])
         spans = {e.name for e in prof.events()}
         assert {"zinf.migrate.param.nvme_to_cpu", "zinf.migrate.optim.nvme_to_cpu"} <= spans
+
+
+def test_dram_need_of_a_hypothetical_placement_moves_nothing(tmp_path):
+    model, data = _gpt()
+    with zinf.initialize(model, _config("nvme", tmp_path, model)) as engine:
+        before = dict(engine.placement)
+        now = engine.dram_need_of({})
+        assert (now.param_homes_bytes, now.optim_homes_bytes, now.working_bytes) == (
+            engine.dram_need.param_homes_bytes, engine.dram_need.optim_homes_bytes, engine.dram_need.working_bytes)
+        all_cpu = engine.dram_need_of({name: {"param": "cpu", "optim": "cpu"} for name in engine.placement})
+        assert all_cpu.optim_homes_bytes > 0 and all_cpu.staging_bytes == 0  # nothing left on NVMe
+        params_cpu = engine.dram_need_of({name: {"param": "cpu"} for name in engine.placement})
+        assert params_cpu.param_homes_bytes > 0 and params_cpu.working_bytes < now.working_bytes  # resident params
+        assert engine.placement == before

@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1098,6 +1098,22 @@ class Engine:
         if pin is not None:
             return f"pinned by module_parameters {pin.pattern!r} (zero_optimization.{section}) to {pin.tier}"
         return None
+
+    def dram_need_of(self, placement: Mapping[str, Mapping[str, str]]) -> DramNeed:
+        """The DRAM need (homes, working set, staging; no overlap buffers) the engine would have
+        with ``placement`` ({shard: {"param": tier, "optim": tier}}; shards left out keep their
+        tiers), computed as ``initialize`` checks it. Nothing moves. For planners: the working
+        set shrinks when params become resident, which a plan may spend on hot homes."""
+        saved = [st.place for st in self.states]
+        try:
+            for st in self.states:
+                tiers = placement.get(st.name)
+                if tiers is not None:
+                    st.place = ShardPlacement(tiers.get("param", st.place.param), tiers.get("optim", st.place.optim))
+            return self._dram_need()
+        finally:
+            for st, place in zip(self.states, saved):
+                st.place = place
 
     def _over_dram_budget(self, st: ShardState, new: ShardPlacement) -> str | None:
         """Why placing ``st`` at ``new`` would break ``zinf.dram_budget`` (None: it fits), by the
