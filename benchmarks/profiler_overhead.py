@@ -39,7 +39,8 @@ from zinf.storage.fsinfo import filesystem_of  # noqa: E402
 def make_engine(work: Path, name: str, profile: bool, preset: str, batch_size: int):
     torch.manual_seed(0)
     model, mcfg = build_model("gpt", preset)
-    settings = DemoSettings(workdir=work / name, profile=profile, preset=preset, batch_size=batch_size)
+    # the static demo placement on both sides: the adaptive planner would only run on the "on" one
+    settings = DemoSettings(workdir=work / name, profile=profile, preset=preset, batch_size=batch_size, adaptive=False)
     (work / name).mkdir()
     config = demo_config(model, settings)
     config["zinf"]["profiler"]["detail"] = "shard"

@@ -72,6 +72,10 @@ class ControllerSettings:
     policy: PolicySettings = field(default_factory=PolicySettings)
 
 
+class _BudgetFull(PlanError):
+    """Every split of the budget is taken by the placement in force: nothing to re-plan."""
+
+
 class AdaptiveController:
     """Plans placements from the profile database at ``url`` and hands the engine the moves.
 
@@ -125,6 +129,10 @@ class AdaptiveController:
         self._recent_s.clear()  # drift is judged on steps after this plan
         try:
             return self._plan(engine, step, drifted)
+        except _BudgetFull as e:  # the placement in force already fills the budget: normal
+            self.last_skip = str(e)
+            log.info("zinf planner: step %d: %s", step, e)
+            return None
         except ZinfError as e:  # not enough data yet, a budget the pins fill, ...
             self._skip(str(e))
             return None
@@ -240,7 +248,7 @@ class AdaptiveController:
             if best is None or plan.prediction.step_s < best[0].prediction.step_s:
                 best = (plan, wl, reserved)
         if best is None:
-            raise PlanError("no split of zinf.dram_budget between homes and buffers leaves room for a plan")
+            raise _BudgetFull("no split of zinf.dram_budget between homes and buffers leaves room for another plan")
         plan, wl, reserved = best
         greedy = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=wl.prefetch_bytes,
                        method="greedy")

@@ -161,3 +161,16 @@ def test_adaptive_needs_a_budget_and_the_profiler(tmp_path):
     config["zinf"]["profiler"]["detail"] = "step"
     with pytest.raises(ConfigError, match="detail"):
         zinf.initialize(model, config)
+
+
+def test_the_demo_plans_from_its_profile(tmp_path):
+    from rich.console import Console
+
+    from zinf.demo import DemoSettings, run_demo
+
+    summary = run_demo(DemoSettings(steps=12, batch_size=2, preset="small", workdir=tmp_path, replan_every=4, dram_fraction=0.75),
+                       Console(file=open(tmp_path / "out.txt", "w")))
+    assert summary["plans_made"] >= 2  # steps 4 and 8 at least (a plan that lands delays the next)
+    plans = queries.plans(summary["profile_db"], queries.latest_run_id(summary["profile_db"]))
+    assert len(plans) == summary["plans_made"]
+    assert (summary["migrations"] > 0) == (summary["plans_adopted"] > 0)  # an adopted plan moves homes

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import zinf
-from zinf.events import FanoutRecorder, ListRecorder, StepFinished
+from zinf.events import FanoutRecorder, ListRecorder, ShardMigrated, StepFinished
 from zinf.models import build_model
 from zinf.models.data import TokenBatches, markov_tokens
 from zinf.placement import fmt_bytes
@@ -39,11 +39,17 @@ class DemoSettings:
     """Record into ``<workdir>/zinf-profile.db``."""
     preset: str = "demo"
     """Model size preset of the built-in GPT."""
+    adaptive: bool = True
+    """Re-plan the placement from the profile while training and migrate between steps
+    (``zinf.placement.policy: adaptive``; needs ``profile``)."""
+    replan_every: int = 10
+    """Steps between re-plans (adaptive)."""
 
 
 def demo_config(model, settings: DemoSettings) -> dict:
     """The config the demo trains with: params and optimizer state on NVMe, a quarter of the
-    parameters (the first in model order, DeepSpeed's ``max_in_cpu``) kept in DRAM."""
+    parameters (the first in model order, DeepSpeed's ``max_in_cpu``) kept in DRAM to start with;
+    with ``adaptive`` (and the profiler on) the planner then moves homes where the profile says."""
     n = sum(p.numel() for p in model.parameters())
     state_bytes = n * (4 + 4 + 4 + 4 + 4)  # param, grad, master, exp_avg, exp_avg_sq (fp32)
     swap = str(settings.workdir / "zinf-swap")
@@ -61,6 +67,8 @@ def demo_config(model, settings: DemoSettings) -> dict:
         "zinf": {
             "dram_budget": int(state_bytes * settings.dram_fraction),
             "profiler": {"enabled": settings.profile, "db": f"sqlite:///{(settings.workdir / 'zinf-profile.db').absolute()}"},
+            "placement": {"policy": "adaptive" if settings.adaptive and settings.profile else "static",
+                          "replan_every": settings.replan_every},
         },
     }
 
@@ -100,6 +108,11 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> dict:
                 losses.append(loss.item())
                 bar.update(task, advance=1, loss=f"{losses[-1]:.3f}")
         ckpt = engine.save_checkpoint(settings.workdir / "zinf-checkpoints")
+        controller = engine.controller
+        final_tiers: dict[str, int] = {}
+        for p in engine.placement.values():
+            for state in ("param", "optim"):
+                final_tiers[f"{state}:{p[state]}"] = final_tiers.get(f"{state}:{p[state]}", 0) + 1
         traffic = engine.traffic_total
         wall = time.perf_counter() - t0
     steps = steps_seen.of(StepFinished)
@@ -116,6 +129,10 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> dict:
         "loss_last": sum(losses[-5:]) / min(5, len(losses)),
         "checkpoint": str(ckpt),
         "profile_db": config["zinf"]["profiler"]["db"] if settings.profile else None,
+        "plans_made": getattr(controller, "plans_made", 0),
+        "plans_adopted": getattr(controller, "plans_adopted", 0),
+        "migrations": sum(1 for _ in steps_seen.of(ShardMigrated)),
+        "final_placement": final_tiers,
     }
     table = Table(title="zinf demo summary", show_header=False)
     table.add_row("steps/s", f"{summary['steps_per_s']:.2f}  (median step {summary['median_step_s'] * 1e3:.0f} ms)")
@@ -123,6 +140,9 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> dict:
     table.add_row("optimizer per step", f"{summary['optimizer_s_per_step'] * 1e3:.0f} ms")
     for tier in ("cpu", "nvme"):
         table.add_row(f"{tier} bytes read / written", f"{fmt_bytes(traffic.read[tier])} / {fmt_bytes(traffic.written[tier])}")
+    if controller is not None:
+        table.add_row("plans made / adopted", f"{summary['plans_made']} / {summary['plans_adopted']}  (every {settings.replan_every} steps)")
+        table.add_row("homes migrated", f"{summary['migrations']}; now " + ", ".join(f"{k} {v}" for k, v in sorted(final_tiers.items())))
     table.add_row("loss (first 5 -> last 5 steps)", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
     table.add_row("checkpoint", summary["checkpoint"])
     if settings.profile:
