@@ -168,7 +168,7 @@ def test_the_demo_plans_from_its_profile(tmp_path):
 
     from zinf.demo import DemoSettings, run_demo
 
-    summary = run_demo(DemoSettings(steps=12, batch_size=2, preset="small", workdir=tmp_path, replan_every=4, dram_fraction=0.75),
+    summary = run_demo(DemoSettings(steps=12, batch_size=2, preset="demo", workdir=tmp_path, replan_every=4),
                        Console(file=open(tmp_path / "out.txt", "w")))
     assert summary["plans_made"] >= 2  # steps 4 and 8 at least (a plan that lands delays the next)
     plans = queries.plans(summary["profile_db"], queries.latest_run_id(summary["profile_db"]))
