@@ -66,6 +66,8 @@ __all__ = ["Recorder", "record_calibration", "DETAIL_EVENTS"]
 
 DETAIL_EVENTS = (ev.ShardFetched, ev.ShardTransfer, ev.IoDone, ev.OptimizerShardDone)
 _DETAIL = frozenset(DETAIL_EVENTS)
+# events that belong to an open run (dropped, and counted as "no_run:<kind>", when none is open)
+_NEEDS_RUN = _DETAIL | {ev.StepFinished, ev.ShardMigrated, ev.RunFinished}
 _PHASE_INDEX = {"forward": 0, "backward": 1, "recompute": 2}
 _TIER_INDEX = {t: i for i, t in enumerate(schema.TIERS)}
 
@@ -558,10 +560,10 @@ class Recorder:
         """Aggregate one event; True when it should be written at once."""
         kind = type(e)
         st = self._state
+        if kind in _NEEDS_RUN and (st is None or st.finished):
+            self._drop(f"no_run:{kind.__name__}")
+            return False
         if kind is ev.ShardFetched:
-            if st is None or st.finished:
-                self._drop("no_run:ShardFetched")
-                return False
             acc = st.acc_of(e.shard)
             p = _PHASE_INDEX.get(e.phase)
             if p is not None:
@@ -576,9 +578,6 @@ class Recorder:
             acc[_STALL_S] += e.stall_s
             return False
         if kind is ev.IoDone:
-            if st is None or st.finished:
-                self._drop("no_run:IoDone")
-                return False
             st.io_seen += 1
             cap = self.io_samples_per_step
             row = {
@@ -601,9 +600,6 @@ class Recorder:
                     st.io_buf[j] = row
             return False
         if kind is ev.ShardTransfer:
-            if st is None or st.finished:
-                self._drop("no_run:ShardTransfer")
-                return False
             acc = st.acc_of(e.shard)
             t = _TIER_INDEX.get(e.tier)
             if t is not None:
@@ -611,9 +607,6 @@ class Recorder:
             acc[_STALL_S] += e.stall_s
             return False
         if kind is ev.OptimizerShardDone:
-            if st is None or st.finished:
-                self._drop("no_run:OptimizerShardDone")
-                return False
             acc = st.acc_of(e.shard)
             acc[_OPT] += 1
             t = _TIER_INDEX.get(e.tier)
@@ -626,9 +619,6 @@ class Recorder:
                 tiers[1] = e.tier
             return False
         if kind is ev.StepFinished:
-            if st is None or st.finished:
-                self._drop("no_run:StepFinished")
-                return False
             self._on_step(st, e)
             return False
         if kind is ev.RunStarted:
@@ -641,9 +631,6 @@ class Recorder:
             self._n_pending += 1
             return True
         if kind is ev.ShardMigrated:
-            if st is None or st.finished:
-                self._drop("no_run:ShardMigrated")
-                return False
             self._add("migrations", st, {
                 "step": e.step, "plan_version": st.plan_version, "state": e.state, "src_tier": e.src_tier,
                 "dst_tier": e.dst_tier, "bytes": int(e.bytes), "seconds": float(e.seconds),
@@ -653,9 +640,6 @@ class Recorder:
                 tiers[0 if e.state == "param" else 1] = e.dst_tier
             return False
         if kind is ev.RunFinished:
-            if st is None or st.finished:
-                self._drop("no_run:RunFinished")
-                return False
             status = e.status if e.status in ("finished", "crashed") else "crashed"
             self._finish(st, status, e.finished_at)
             return True
