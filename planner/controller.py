@@ -37,7 +37,7 @@ from zinf.placement import Move
 from planner.costmodel import CostModel
 from planner.policy import Decision, PlacementPolicy, PolicySettings, diff_moves
 from planner.simulator import Simulator, calibrate
-from planner.solver import Plan, PlanError, solve
+from planner.solver import Plan, PlanError, homes_of, solve
 from planner.workload import Workload
 
 log = logging.getLogger("zinf.planner")
@@ -113,7 +113,7 @@ class AdaptiveController:
         if last and last.get("wall_s") is not None and self._target is None:
             self._recent_s.append(float(last["wall_s"]))
         if self._target is not None:
-            left = diff_moves(_homes(engine.placement), self._target)
+            left = diff_moves(homes_of(engine.placement), self._target)
             if left:
                 return left
             self._target = None  # the plan has landed: measure from here on
@@ -156,7 +156,7 @@ class AdaptiveController:
         workload = calibrate(workload, cost, placement=engine.placement, prefetch_bytes=overlap.prefetch_bytes)
         plan, sim = self._best_plan(engine, workload, cost)
         now_sim = Simulator(workload, cost, prefetch_bytes=overlap.prefetch_bytes)
-        current = _homes(engine.placement)
+        current = homes_of(engine.placement)
         shards = workload.shards.set_index("shard")
 
         def move_s(m: Move) -> float:
@@ -168,21 +168,20 @@ class AdaptiveController:
         # The current placement with the overlap buffers it has; candidates with the buffers the
         # chosen plan leaves room for (the engine re-sizes them from what the homes leave).
         current_step_s = now_sim.predict(current).step_s
+        density = plan.density()
         decision = self.policy.decide(
             current, plan.homes(), current_step_s=current_step_s,
             predict_step_s=lambda homes: sim.predict(homes).step_s,
-            density=plan.density(), dram_bytes=plan.home_bytes(), dram_room_bytes=plan.room_bytes,
+            density=density, dram_bytes=plan.home_bytes(), dram_room_bytes=plan.room_bytes,
             migration_s=move_s, horizon_steps=s.replan_every * s.horizon_plans,
         )
         self.plans_made += 1
         self.last_plan, self.last_decision = plan, decision
-        version = engine.plan_version + 1 if decision.adopt else engine.plan_version
         predicted_s = sim.predict(decision.placement).step_s
         reason = decision.as_reason() | {
             "current_step_s": current_step_s, "measured_step_s": workload.measured_step_s,
             "solver": plan.method, "solver_s": plan.solve_s, "note": plan.note, "trigger": "drift" if drifted else "schedule",
         }
-        density = plan.density()
         assignments = [
             {"shard": name, "param_tier": decision.placement.get((name, "param"), tiers["param"]),
              "optim_tier": decision.placement.get((name, "optim"), tiers["optim"]),
@@ -201,7 +200,7 @@ class AdaptiveController:
             return None
         self.plans_adopted += 1
         self.policy.adopted(decision, current)
-        engine.plan_version = version
+        engine.plan_version += 1
         self._target = decision.placement
         self._predicted_step_s = predicted_s
         return decision.moves
@@ -307,8 +306,3 @@ class AdaptiveController:
         if why not in self._warned:
             self._warned.add(why)
             log.warning("zinf planner: no plan this period: %s", why)
-
-
-def _homes(placement) -> dict[Home, str]:
-    """The engine's {shard: {"param": tier, "optim": tier}} as {(shard, state): tier}."""
-    return {(name, state): tier for name, tiers in placement.items() for state, tier in tiers.items()}

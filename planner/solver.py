@@ -89,7 +89,7 @@ class Plan:
 
     def homes(self) -> dict[tuple[str, str], str]:
         """{(shard, state): tier} of every shard's param and optimizer home."""
-        return {(n, s): t[s] for n, t in self.placement.items() for s in STATES}
+        return homes_of(self.placement)
 
     def density(self) -> dict[tuple[str, str], float]:
         """{(shard, state): stall seconds saved per DRAM byte} (simulated where known, else linear)."""
@@ -104,6 +104,11 @@ class Plan:
     def home_bytes(self) -> dict[tuple[str, str], int]:
         """{(shard, state): DRAM bytes the home takes in DRAM}."""
         return {(n, s): int(b) for n, s, b in zip(self.scores["shard"], self.scores["state"], self.scores["bytes"])}
+
+
+def homes_of(placement: Mapping[str, Mapping[str, str]]) -> dict[tuple[str, str], str]:
+    """The engine's {shard: {"param": tier, "optim": tier}} as {(shard, state): tier}."""
+    return {(n, s): t[s] for n, t in placement.items() for s in STATES}
 
 
 def solve(workload: Workload, cost_model, dram_budget_bytes: int, *, method: str = "greedy",
