@@ -170,6 +170,8 @@ def policy_config(w: Workload, policy: str, swap: Path, budget_bytes: int, *, ma
     if policy == "max_in_cpu":
         cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
     elif policy == "adaptive":
+        if max_in_cpu:  # start where DeepSpeed's rule would put the params, then re-plan
+            cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
         cfg["zinf"]["placement"] = {"policy": "adaptive", "replan_every": replan_every}
         # it plans from the profile (and pays for recording it): a database beside the swap files
         cfg["zinf"]["profiler"] = {"db": f"sqlite:///{swap}/profile.db"}
@@ -230,6 +232,13 @@ class Run:
     nvme_bytes: list[int] = field(default_factory=list)
     dram_homes: str = ""  # what the placement keeps in DRAM at the end
     per_step: list[tuple[int, float, int]] = field(default_factory=list)  # (step, seconds, plan version)
+    # adaptive only, over the measured steps: |predicted - measured| / measured of each step whose
+    # placement had landed (no migration in it, no plan made after it), the bytes each adopted
+    # plan migrated, and the homes sent back within a few plans (the policy's ping-pong count)
+    pred_err: list[float] = field(default_factory=list)
+    plan_moved_bytes: list[int] = field(default_factory=list)
+    pingpong: int = 0
+    shards: int = 0
 
 
 def dram_homes(engine) -> str:
@@ -252,6 +261,7 @@ def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller
         if need_controller and getattr(engine, "controller", None) is None:
             return Run("unavailable", "engine has no placement controller (engine.controller)")
         micro = 0
+        prediction, versions_before = None, engine.plan_version
         for step in range(warmup + steps):
             if drift_at is not None and step == drift_at:
                 new = set_routing(engine.module, seed=engine.module.config.routing_seed + 1)
@@ -270,8 +280,32 @@ def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller
             if step >= warmup:
                 run.step_s.append(dt)
                 run.nvme_bytes.append(moved_b)
+                if need_controller:
+                    track_controller(engine, dt, run, prediction, versions_before)
+            prediction = getattr(engine.controller, "predicted_step_s", None) if need_controller else None
+            versions_before = engine.plan_version
         run.dram_homes = dram_homes(engine)
+        run.shards = len(engine.placement)
+        if need_controller:
+            run.pingpong = engine.controller.policy.pingpong_total
     return run
+
+
+def track_controller(engine, step_s: float, run: Run, prediction: float | None, version_before: int) -> None:
+    """Fold one measured adaptive step into ``run``: the prediction error of the placement that
+    was in force for the whole step (``prediction`` was made before the step; the step moved
+    nothing and made no plan), and the bytes a newly adopted plan moved."""
+    c = engine.controller
+    report = engine.last_migration
+    moved = report.bytes_moved if report is not None and report is not getattr(c, "_bench_seen", None) else 0
+    c._bench_seen = report
+    if engine.plan_version != version_before:
+        run.plan_moved_bytes.append(moved)
+    elif moved and run.plan_moved_bytes:
+        run.plan_moved_bytes[-1] += moved  # the rest of a plan deferred by the per-step byte budget
+    planned = c.last_plan_step == engine.global_steps
+    if prediction is not None and not moved and not planned and not c.migrating:
+        run.pred_err.append(abs(prediction - step_s) / step_s)
 
 
 # ------------------------------------------------------------------ the sweep
@@ -303,6 +337,23 @@ class Cell:
         return statistics.median(b) if self.status == "ok" and b else None
 
     @property
+    def pred_err(self) -> float | None:
+        """Median |predicted - measured| / measured step time (adaptive; steps whose placement had landed)."""
+        e = [x for r in self.runs for x in r.pred_err]
+        return statistics.median(e) if e else None
+
+    def churn(self, budget_bytes: int) -> float | None:
+        """Median bytes an adopted plan migrated in the measured steps, as a fraction of the DRAM budget."""
+        b = [x for r in self.runs for x in r.plan_moved_bytes]
+        return statistics.median(b) / budget_bytes if b else None
+
+    @property
+    def pingpong(self) -> float | None:
+        """Homes sent back within a few plans, per shard (over all rounds)."""
+        shards = sum(r.shards for r in self.runs)
+        return sum(r.pingpong for r in self.runs) / shards if shards else None
+
+    @property
     def spread(self) -> str:
         meds = [statistics.median(r.step_s) for r in self.runs if r.step_s]
         return f"{min(meds):.3f}-{max(meds):.3f}" if len(meds) > 1 else ""
@@ -315,9 +366,14 @@ def best_static(cells: dict[str, Cell]) -> tuple[str, float] | None:
 
 def sweep(w: Workload, budgets: list[float], policies: list[str], swap: Path, args) -> dict[float, dict[str, Cell]]:
     cells = {b: {p: Cell() for p in policies} for b in budgets}
+    start_n: dict[float, int] = {}
     for b in budgets:
+        n = None
+        if "max_in_cpu" in policies or ("adaptive" in policies and args.adaptive_start == "max_in_cpu"):
+            n = largest_max_in_cpu(w, swap, int(b * w.state_bytes))
         if "max_in_cpu" in policies:
-            cells[b]["max_in_cpu"].max_in_cpu = largest_max_in_cpu(w, swap, int(b * w.state_bytes))
+            cells[b]["max_in_cpu"].max_in_cpu = n
+        start_n[b] = (n or 0) if args.adaptive_start == "max_in_cpu" else 0
     # one short, discarded run first, so that the process's own warm-up (lazy imports, allocator,
     # the disk's first writes) is charged to no policy
     train(w, policy_config(w, "nvme", swap, int(max(budgets) * w.state_bytes)), warmup=2, steps=0)
@@ -333,8 +389,8 @@ def sweep(w: Workload, budgets: list[float], policies: list[str], swap: Path, ar
                 if p == "max_in_cpu" and cell.max_in_cpu is None:
                     cell.runs.append(Run("refused", "the budget is below the working set even with max_in_cpu 0"))
                     continue
-                cfg = policy_config(w, p, swap, budget_bytes, max_in_cpu=cell.max_in_cpu or 0,
-                                    replan_every=args.replan_every)
+                n = start_n[b] if p == "adaptive" else cell.max_in_cpu or 0
+                cfg = policy_config(w, p, swap, budget_bytes, max_in_cpu=n, replan_every=args.replan_every)
                 run = train(w, cfg, args.warmup, args.steps, need_controller=(p == "adaptive"))
                 cell.runs.append(run)
                 adaptive_missing |= p == "adaptive" and run.status == "unavailable"
@@ -351,6 +407,14 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
         best = best_static(by_policy)
         for p, cell in by_policy.items():
             note = f"max_in_cpu={cell.max_in_cpu:,}" if p == "max_in_cpu" and cell.max_in_cpu is not None else ""
+            if p == "adaptive" and cell.status == "ok":
+                churn = cell.churn(int(b * w.state_bytes))
+                note = "; ".join([
+                    f"pred err {cell.pred_err:.1%}" if cell.pred_err is not None else "pred err -",
+                    f"{sum(len(r.plan_moved_bytes) for r in cell.runs)} plans adopted",
+                    f"churn {churn:.1%} of budget/plan" if churn is not None else "churn -",
+                    f"ping-pong {cell.pingpong:.1%}" if cell.pingpong is not None else "",
+                ])
             if cell.status != "ok":
                 msg = "not available in this checkout" if cell.status == "unavailable" else cell.status
                 detail = cell.runs[0].note if cell.runs else ""
@@ -360,7 +424,9 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
             print(f"{b:>7.0%} {p:<11} {cell.step_s:8.3f} {cell.mean_s:8.3f} {cell.spread:>13} {ratio:>8} "
                   f"{cell.nvme_bytes / 1e6:13.1f} {cell.runs[-1].dram_homes:>11}  {note}")
     print("(step_s: median optimizer-step seconds; mean_s: their mean, re-plan and migration steps included; vs_best: step_s / best static policy's, < 1 = faster; "
-          "dram_homes: param+optim homes in DRAM / shards, at the end of the last run)")
+          "dram_homes: param+optim homes in DRAM / shards, at the end of the last run; adaptive: pred err = median |predicted - measured| / measured "
+          "of the measured steps whose placement had landed, plans adopted in the measured steps, churn = median bytes such a plan migrated / DRAM budget, "
+          "ping-pong = homes sent back within 3 plans / shards, whole runs)")
 
 
 def headline(name: str, cells: dict[float, dict[str, Cell]] | None, budget: float | None, target: float) -> str:
@@ -394,7 +460,8 @@ def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[f
     from two steps before the switch on, and the medians of --steps steps before it and at the end."""
     total = args.drift_at + args.warmup + args.steps  # --warmup + --steps steps to recover
     for b in budgets:
-        cfg = policy_config(w, "adaptive", swap, int(b * w.state_bytes), replan_every=args.replan_every)
+        n = largest_max_in_cpu(w, swap, int(b * w.state_bytes)) if args.adaptive_start == "max_in_cpu" else 0
+        cfg = policy_config(w, "adaptive", swap, int(b * w.state_bytes), max_in_cpu=n or 0, replan_every=args.replan_every)
         run = train(w, cfg, warmup=total, steps=0, need_controller=True, drift_at=args.drift_at)
         if run.status == "unavailable":
             print("\ndrift: adaptive: not available in this checkout")
@@ -436,6 +503,9 @@ def main() -> None:
                     help="rounds; the policy order rotates from round to round (default 3: each policy once in "
                          "each slot; 2 with --quick)")
     ap.add_argument("--replan-every", type=int, default=4, help="zinf.placement.replan_every of the adaptive policy")
+    ap.add_argument("--adaptive-start", choices=("max_in_cpu", "nvme"), default="max_in_cpu",
+                    help="where the adaptive policy starts: DeepSpeed's max_in_cpu placement at the budget "
+                         "(default), or everything on NVMe")
     ap.add_argument("--drift-at", type=int, help="moe: extra adaptive runs with set_routing(...) before this step")
     ap.add_argument("--quick", action="store_true", help="tiny models, for a smoke run")
     ap.add_argument("--json", type=Path, help="also write the results here")

@@ -105,6 +105,24 @@ class AdaptiveController:
         self.migration_s_per_byte: float | None = None
         self._seen_report = None
 
+    # ------------------------------------------------------------------ what it is doing
+    @property
+    def predicted_step_s(self) -> float | None:
+        """The predicted step time of the placement in force (of the adopted plan once it has
+        landed; of the current placement when the last plan was not adopted); None before the first plan."""
+        return self._predicted_step_s
+
+    @property
+    def migrating(self) -> bool:
+        """Whether an adopted plan is still being applied (the engine defers moves beyond the
+        per-step byte budget)."""
+        return self._target is not None
+
+    @property
+    def last_plan_step(self) -> int:
+        """The optimizer step after which the newest plan was made (0: none yet)."""
+        return self._last_plan_step
+
     # ------------------------------------------------------------------ the engine's hook
     def after_step(self, engine) -> list[Move] | None:
         step = engine.global_steps
@@ -153,8 +171,14 @@ class AdaptiveController:
                                          short_halflife_steps=max(1.0, s.replan_every / 4))
         cost = CostModel.from_db(self.url, run_id)
         overlap = engine.overlap
-        workload = calibrate(workload, cost, placement=engine.placement, prefetch_bytes=overlap.prefetch_bytes)
-        plan, sim = self._best_plan(engine, workload, cost)
+        # The buffers the engine really has (under the budget it switches off what does not
+        # fit, which the config does not say): simulating the measured placement with the
+        # config's buffers would calibrate on the wrong engine.
+        configured = workload  # the buffers the config asks for: what candidates may have
+        workload = workload.with_buffers(prefetch_bytes=overlap.prefetch_bytes, write_bytes=overlap.write_bytes,
+                                         read_ahead_bytes=overlap.read_ahead_bytes, eager=overlap.eager)
+        workload = calibrate(workload, cost, placement=engine.placement)
+        plan, sim = self._best_plan(engine, configured.with_overhead(workload.overhead_s), cost)
         now_sim = Simulator(workload, cost, prefetch_bytes=overlap.prefetch_bytes)
         current = homes_of(engine.placement)
         shards = workload.shards.set_index("shard")
@@ -209,73 +233,99 @@ class AdaptiveController:
         """The fastest predicted plan over a few ways of splitting the budget between homes and
         the engine's overlap buffers.
 
-        The engine sizes its buffers from what the budget leaves (an all-NVMe start gives the
-        whole rest to the prefetch window), so the room for hot homes is a choice: keep the
-        buffers as they are; keep the fixed ones (write-behind, optimizer read-ahead, updates
-        during backward) and a prefetch window of a useful size (max(2 x largest param shard, 10%
-        of all params)); drop the updates during backward; drop prefetch too (worth it when the
-        params themselves fit in DRAM). Each is solved by the MILP (cheap); the best one again by
-        the greedy (re-simulating), and the faster of those two plans is kept. Dropping the
-        write-behind or the read-ahead too is what DeepSpeed-style ``max_in_cpu`` ends up doing when
-        its params take the budget: it can pay when param reads dominate (accumulation).
+        ``workload`` carries the buffers the config asks for. The engine grants buffers from
+        what the homes leave of the budget (writes in flight first, then the optimizer
+        read-ahead, the updates during backward, the prefetch window), so the room left for hot
+        homes is a choice: keep room for every kind of overlap (with a prefetch window of a useful
+        size, max(2 x largest param, 10% of all params), or the configured one); give up the
+        updates during backward, the prefetch, the read-ahead, or everything - which is what
+        DeepSpeed-style ``max_in_cpu`` ends up doing when its params take the budget, and which
+        pays when param reads dominate (accumulation). Each split is solved by the MILP (cheap);
+        then every plan is simulated again with the buffers the engine would really grant it
+        (:meth:`Engine.overlap_of`), and the fastest is kept; the greedy (re-simulating) refines
+        that split, and the faster of the two plans wins.
         """
-        need, ov = engine.dram_need, engine.overlap
-        param_bytes = workload.shards["param_bytes"]
-        useful_prefetch = min(ov.prefetch_bytes, max(2 * int(param_bytes.max()), int(param_bytes.sum()) // 10))
+        need = engine.dram_need
+        shards = workload.shards
+        param_bytes = shards["param_bytes"]
+        # the largest optimizer group (master, moments, gradient) that a plan could put on NVMe
+        trainable = shards["trainable"].to_numpy(bool)
+        group = int((shards["optim_bytes"] + shards["grad_bytes"])[trainable].max()) if trainable.any() else 0
+        wanted_prefetch = int(workload.prefetch_bytes)
+        useful_prefetch = min(wanted_prefetch, max(2 * int(param_bytes.max()), int(param_bytes.sum()) // 10))
+        eager_ok = bool(workload.updates_during_backward)
         fixed = need.working_bytes + need.staging_bytes
-        write, read = ov.write_bytes, ov.read_ahead_bytes
-        # label: (prefetch window, updates during backward, write-behind, read-ahead) -> bytes reserved
+        # label: (prefetch window, updates during backward, write-behind, read-ahead)
         options = {
-            "buffers as now": (ov.prefetch_bytes, ov.eager, True, True),
-            "useful prefetch": (useful_prefetch, ov.eager, True, True),
+            "every overlap, useful prefetch": (useful_prefetch, eager_ok, True, True),
+            "every overlap, configured prefetch": (wanted_prefetch, eager_ok, True, True),
             "no updates in backward": (useful_prefetch, False, True, True),
-            "no prefetch": (0, False, True, True),
-            "no prefetch, no write-behind": (0, False, False, True),
+            "no prefetch": (0, eager_ok, True, True),
+            "write-behind and read-ahead only": (0, False, True, True),
             "no overlap buffers": (0, False, False, False),
         }
-        best: tuple[Plan, Workload, int] | None = None
+        best: tuple[Plan, Workload, int, Workload] | None = None
+        tried: set[tuple] = set()
         for label, (prefetch, eager, keep_write, keep_read) in options.items():
-            buffers = prefetch + (ov.eager_bytes if eager else 0) + (write if keep_write else 0) + (read if keep_read else 0)
-            wl = replace(workload, updates_during_backward=bool(eager and workload.updates_during_backward),
-                         prefetch_bytes=int(prefetch),
-                         write_window_bytes=workload.write_window_bytes if keep_write else 0,
-                         pipeline_read=workload.pipeline_read and keep_read)
+            key = (prefetch, eager, keep_write, keep_read)
+            if key in tried:
+                continue
+            tried.add(key)
+            buffers = prefetch + (3 * group if eager else 0) + (2 * group if keep_write else 0) + (group if keep_read else 0)
+            wl = workload.with_buffers(prefetch_bytes=prefetch, write_bytes=2 * group if keep_write else 0,
+                                       read_ahead_bytes=group if keep_read else 0, eager=eager)
             plan, reserved = self._solve_with_working_set(engine, wl, cost, fixed, buffers)
             if plan is None:
                 continue  # this split leaves no room at all
             plan.note = f"{plan.note}; buffers: {label}".lstrip("; ")
+            granted = self._as_granted(engine, workload, plan, cost)
             if best is None or plan.prediction.step_s < best[0].prediction.step_s:
-                best = (plan, wl, reserved)
+                best = (plan, wl, reserved, granted)
         if best is None:
             raise _BudgetFull("no split of zinf.dram_budget between homes and buffers leaves room for another plan")
-        plan, wl, reserved = best
+        plan, wl, reserved, granted = best
         greedy = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=wl.prefetch_bytes,
                        method="greedy")
         greedy.note = plan.note
+        greedy_granted = self._as_granted(engine, workload, greedy, cost)
         if greedy.prediction.step_s < plan.prediction.step_s:
-            plan = greedy
-        return plan, Simulator(wl, cost, prefetch_bytes=wl.prefetch_bytes)
+            plan, granted = greedy, greedy_granted
+        return plan, Simulator(granted, cost, prefetch_bytes=granted.prefetch_bytes)
+
+    @staticmethod
+    def _as_granted(engine, workload: Workload, plan: Plan, cost) -> Workload:
+        """Re-predict ``plan`` with the buffers the engine would grant it (the solver assumed the
+        split's); sets ``plan.prediction`` and returns the workload with those buffers."""
+        ov = engine.overlap_of(plan.placement)
+        granted = workload.with_buffers(prefetch_bytes=ov.prefetch_bytes, write_bytes=ov.write_bytes,
+                                        read_ahead_bytes=ov.read_ahead_bytes, eager=ov.eager)
+        plan.prediction = Simulator(granted, cost, prefetch_bytes=granted.prefetch_bytes).predict(plan.placement)
+        return granted
 
     def _solve_with_working_set(self, engine, wl: Workload, cost, fixed: int, buffers: int):
-        """MILP plan with ``buffers`` bytes of overlap buffers, its room refined twice by the
-        working set the engine would have with the plan (smaller once params are resident), so
-        long as the refined plan still fits the budget by the engine's own count. Returns
-        ``(plan, reserved_bytes)``, or ``(None, 0)`` when this split leaves no room."""
+        """MILP plan with ``buffers`` bytes of overlap buffers, its room corrected by the working
+        set the engine would have with the plan (it grows when params move to NVMe, shrinks once
+        they are resident): a plan over the budget by the engine's own count is solved again with
+        the shortfall reserved too; one under it, with the smaller working set. Returns
+        ``(plan, reserved_bytes)`` of the last plan that fits, or ``(None, 0)`` when this split
+        leaves no room."""
         staging = engine.dram_need.staging_bytes
         reserved = fixed + buffers
-        plan = None
-        for _ in range(3):
+        plan, used_reserved = None, 0
+        for _ in range(4):
             try:
                 candidate = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved,
                                   prefetch_bytes=wl.prefetch_bytes, method="milp")
             except PlanError:
                 break
             need = engine.dram_need_of(candidate.placement)
-            if need.total_bytes + buffers > self.dram_budget_bytes:
-                break  # the smaller working set assumed does not hold for this plan: keep the last
+            over = need.total_bytes + buffers - self.dram_budget_bytes
+            if over > 0:  # the working set assumed was too small for this plan
+                reserved += over
+                continue
             plan, used_reserved = candidate, reserved
             refined = need.working_bytes + staging + buffers
-            if refined >= reserved:
+            if refined >= reserved or plan is not None and refined == used_reserved:
                 break
             reserved = refined
         return (plan, used_reserved) if plan is not None else (None, 0)

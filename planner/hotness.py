@@ -133,7 +133,13 @@ def access_rates(shard_steps: pd.DataFrame, shards: Sequence[str] | pd.DataFrame
 # ------------------------------------------------------------------------------- I/O costs
 class IoCosts:
     """Per-request latency and bandwidth of NVMe reads and writes, taken from a cost model
-    (``nvme``/``read`` and ``nvme``/``write``; a missing direction borrows the other's)."""
+    (``nvme``/``read`` and ``nvme``/``write``; a missing direction borrows the other's).
+
+    ``read_Bps`` / ``write_Bps`` are a request's bandwidth at the concurrency the samples were
+    taken at (what the linear stall cost uses); the simulator, which knows how many requests are in
+    flight, uses ``*_alone_s_per_byte`` (a request with the disk to itself) plus
+    ``*_shared_s_per_byte`` for every other request in flight (:mod:`planner.costmodel`).
+    """
 
     def __init__(self, cost_model) -> None:
         from planner.costmodel import CostModelError
@@ -150,8 +156,13 @@ class IoCosts:
             cost_model.cost("nvme", "read")  # raises the cost model's own error, naming the fix
         r = r or w
         w = w or r
-        self.read_latency_s, self.read_Bps = float(r.latency_s), float(r.bandwidth_Bps)
-        self.write_latency_s, self.write_Bps = float(w.latency_s), float(w.bandwidth_Bps)
+        self.read_latency_s, self.write_latency_s = float(r.latency_s), float(w.latency_s)
+        self.read_alone_s_per_byte, self.write_alone_s_per_byte = 1.0 / float(r.bandwidth_Bps), 1.0 / float(w.bandwidth_Bps)
+        self.read_shared_s_per_byte = float(getattr(r, "shared_s_per_byte", 0.0))
+        self.write_shared_s_per_byte = float(getattr(w, "shared_s_per_byte", 0.0))
+        r_c, w_c = float(getattr(r, "concurrency", 1.0)), float(getattr(w, "concurrency", 1.0))
+        self.read_Bps = 1.0 / (self.read_alone_s_per_byte + max(0.0, r_c - 1.0) * self.read_shared_s_per_byte)
+        self.write_Bps = 1.0 / (self.write_alone_s_per_byte + max(0.0, w_c - 1.0) * self.write_shared_s_per_byte)
 
     def read_s(self, nbytes, requests=1):
         return requests * self.read_latency_s + np.asarray(nbytes, dtype=np.float64) / self.read_Bps

@@ -27,15 +27,18 @@ while its forward runs and then be wasted when the shard is kept: ``Prediction.w
 largest NVMe param is 0, as the engine sizes it.
 
 **Disk.** Every NVMe read and write - prefetches, misses, optimizer groups, gradients, param
-rewrites - costs the cost model's ``latency + bytes / bandwidth`` per request. Asynchronous requests
+rewrites - costs the cost model's ``latency + bytes x (1 / bandwidth + others x shared)`` per
+request, where ``others`` is the number of the queue's requests still in flight when it starts
+(the disk's sharing, fitted from each sample's concurrency; :mod:`planner.costmodel`). Asynchronous requests
 (``read_async``/``write_async``: prefetches, misses, optimizer groups, writes behind) wait in one
 FIFO queue served by ``disk_servers`` servers; synchronous ones (``store.read``/``store.write`` on
 the calling thread: a gradient read back between micro-batches, any write when there is no write
 window) start at once beside them, as in the store. The default is the engine's number of request
-threads (``max(2, aio.thread_count)``: the NVMe store runs that many requests at once), and the
-cost model's numbers are per request timed on those threads under the run's own concurrency, so
-they already include the sharing of the disk between them. Writes go
-through a window of ``write_window_bytes`` in flight (waiting for room blocks the writing thread);
+threads (``max(2, aio.thread_count)``: the NVMe store runs that many requests at once). A
+synchronous request sees the queue's requests in flight as ``others`` too, so a placement that
+writes synchronously while nothing else is in flight gets the disk alone (the cost model's profiles
+without concurrency give ``shared`` = 0 and a per-request bandwidth under the run's own
+concurrency: then every request costs the same, as before). Writes go through a window of ``write_window_bytes`` in flight (waiting for room blocks the writing thread);
 0 makes them synchronous.
 
 **Gradients and the optimizer.** A gradient whose optimizer home is NVMe is written to its file
@@ -233,7 +236,10 @@ class Simulator:
 
     def _step(self, pc, oc, backlog, per_shard):  # noqa: C901 - one loop, commented inline
         io = self.io
-        r_lat, r_bps, w_lat, w_bps = io.read_latency_s, io.read_Bps, io.write_latency_s, io.write_Bps
+        r_lat, w_lat = io.read_latency_s, io.write_latency_s
+        # seconds per byte alone on the disk, and added per other request in flight
+        r_spb, w_spb = io.read_alone_s_per_byte, io.write_alone_s_per_byte
+        r_share, w_share = io.read_shared_s_per_byte, io.write_shared_s_per_byte
         wl = self.workload
         k = self.k
         P, O, G, files = self.P, self.O, self.G, self.files
@@ -270,14 +276,19 @@ class Simulator:
         wq_bytes = sum(b for _, b in wq)
         heapreplace, heappush, heappop = heapq.heapreplace, heapq.heappush, heapq.heappop
 
+        def others(start: float) -> int:
+            """Requests of the queue still in flight at ``start`` (they share the disk with a new one)."""
+            return sum(1 for f in free if f > start)
+
         def read(t: float, nbytes: float, requests: float = 1.0) -> float:
             """Queue a read at time t; returns when it lands."""
             nonlocal busy, rbytes
-            dur = requests * r_lat + nbytes / r_bps
+            f = free[0]
+            start = t if t > f else f
+            dur = requests * r_lat + nbytes * (r_spb + others(start) * r_share)
             busy += dur
             rbytes += nbytes
-            f = free[0]
-            end = (t if t > f else f) + dur
+            end = start + dur
             heapreplace(free, end)
             return end
 
@@ -285,7 +296,7 @@ class Simulator:
             """A synchronous read on the calling thread (``store.read``): it does not wait in the
             request queue; it runs beside whatever the request threads are doing."""
             nonlocal busy, rbytes
-            dur = requests * r_lat + nbytes / r_bps
+            dur = requests * r_lat + nbytes * (r_spb + others(t) * r_share)
             busy += dur
             rbytes += nbytes
             return t + dur
@@ -295,11 +306,11 @@ class Simulator:
             nonlocal busy, wbytes, wq_bytes
             if nbytes <= 0:
                 return t
-            dur = requests * w_lat + nbytes / w_bps
-            busy += dur
             wbytes += nbytes
-            if cap <= 0:
-                return t + dur  # synchronous: store.write on the calling thread, not queued
+            if cap <= 0:  # synchronous: store.write on the calling thread, not queued
+                dur = requests * w_lat + nbytes * (w_spb + others(t) * w_share)
+                busy += dur
+                return t + dur
             while wq and wq[0][0] <= t:
                 wq_bytes -= heappop(wq)[1]
             while wq and wq_bytes + nbytes > cap:  # reserve: wait for room (one write alone always goes)
@@ -308,7 +319,10 @@ class Simulator:
                 if d > t:
                     t = d
             f = free[0]
-            end = (t if t > f else f) + dur
+            start = t if t > f else f
+            dur = requests * w_lat + nbytes * (w_spb + others(start) * w_share)
+            busy += dur
+            end = start + dur
             heapreplace(free, end)
             heappush(wq, (end, nbytes))
             wq_bytes += nbytes

@@ -183,6 +183,16 @@ class Workload:
         groups = (df["optim_bytes"] + df["grad_bytes"]).to_numpy(np.int64)[nvme]
         return int(2 * groups.max()) if groups.size else 0
 
+    def with_buffers(self, *, prefetch_bytes: int, write_bytes: int, read_ahead_bytes: int, eager: bool) -> "Workload":
+        """A copy whose engine settings are the overlap buffers an engine really has (its
+        ``Overlap``: under a DRAM budget the engine switches off what does not fit, which the
+        config alone does not say): the prefetch window, the window of writes in flight (0:
+        synchronous writes), the optimizer read-ahead and the updates during backward."""
+        return replace(self, shards=self.shards.copy(), prefetch_bytes=int(prefetch_bytes),
+                       write_window_bytes=int(write_bytes),
+                       pipeline_read=bool(self.pipeline_read and read_ahead_bytes > 0),
+                       updates_during_backward=bool(self.updates_during_backward and eager))
+
     def with_overhead(self, overhead_s: float) -> "Workload":
         """A copy with :attr:`overhead_s` set (what ``simulator.calibrate`` returns)."""
         return replace(self, shards=self.shards.copy(), overhead_s=float(overhead_s))

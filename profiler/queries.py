@@ -298,7 +298,9 @@ def shard_access_stats(src: Source, run_id: int, first_step: int | None = None, 
 # --------------------------------------------------------------------------------------- I/O
 def io_samples(src: Source, run_id: int) -> pd.DataFrame:
     """The recorded I/O samples (``step, shard, op, tier, what, bytes, seconds, GBps, o_direct,
-    block_size, queue_depth, thread_count``); subsampled beyond the recorder's per-step cap."""
+    block_size, queue_depth, thread_count, concurrency``); subsampled beyond the recorder's per-step
+    cap. ``concurrency``: mean requests in flight on the disk while the sample ran, itself included
+    (NaN in profiles recorded before zinf measured it)."""
     io, sh = schema.io_samples, schema.shards
     cols = [c for c in io.c if c.name not in ("id", "run_id")]
     with _read(src) as conn:

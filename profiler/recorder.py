@@ -583,7 +583,7 @@ class Recorder:
             row = {
                 "op": e.op, "tier": e.tier, "what": e.what, "bytes": int(e.bytes), "seconds": float(e.seconds),
                 "o_direct": bool(e.o_direct), "block_size": e.block_size, "queue_depth": e.queue_depth,
-                "thread_count": e.thread_count, "_shard": e.shard,
+                "thread_count": e.thread_count, "concurrency": float(e.concurrency), "_shard": e.shard,
             }
             tot = st.io_totals.get((e.tier, e.op))
             if tot is None:

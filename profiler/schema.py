@@ -156,6 +156,8 @@ io_samples = sa.Table(
     sa.Column("block_size", sa.Integer),
     sa.Column("queue_depth", sa.Integer),
     sa.Column("thread_count", sa.Integer),
+    # mean requests in flight on the disk while it ran, itself included (>= 1; NULL: not measured)
+    sa.Column("concurrency", sa.Float),
 )
 sa.Index(None, io_samples.c.run_id, io_samples.c.step)
 

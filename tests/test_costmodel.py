@@ -94,14 +94,20 @@ def test_fit_from_a_real_run(profile):
         (setting,) = {IOSetting.from_row(r) for r in mine.to_dict("records")}
         assert setting.o_direct is not None and setting.block_size > 0
         assert model.cost("nvme", op, setting) == TierCost(**{**c.__dict__, "setting": setting})
-        assert model.predict_s("nvme", op, 1 << 20) == pytest.approx(c.latency_s + (1 << 20) / c.bandwidth_Bps)
+        # alone on the disk a request runs at the fitted bandwidth; by default at the samples' concurrency
+        assert model.predict_s("nvme", op, 1 << 20, concurrency=1) == pytest.approx(c.latency_s + (1 << 20) / c.bandwidth_Bps)
+        assert model.predict_s("nvme", op, 1 << 20) == pytest.approx(
+            c.latency_s + (1 << 20) * (1 / c.bandwidth_Bps + (c.concurrency - 1) * c.shared_s_per_byte))
+        assert mine["concurrency"].notna().all() and (mine["concurrency"] >= 1).all()
+        assert c.concurrency == pytest.approx(mine["concurrency"].median())
 
 
 def test_to_frame_has_units(profile):
     url, run_id, _ = profile
     df = CostModel.from_db(url, run_id).to_frame()
     assert {"tier", "op", "pooled", "o_direct", "block_size", "queue_depth", "thread_count", "latency_s",
-            "bandwidth_GBps", "n_samples", "source", "method", "bytes_min", "bytes_max", "note"} == set(df.columns)
+            "bandwidth_GBps", "shared_s_per_byte", "concurrency", "n_samples", "source", "method", "bytes_min",
+            "bytes_max", "note"} == set(df.columns)
     pooled = df[df["pooled"]].set_index("op")
     assert list(pooled.index) == ["read", "write"]
     assert (pooled["bandwidth_GBps"] > 0).all() and (pooled["latency_s"] >= 0).all()
@@ -164,6 +170,48 @@ def test_degenerate_samples_keep_latency_nonnegative_and_bandwidth_positive():
     lat, bw, method = fit_latency_bandwidth(np.full(50, 1 << 20), 1e-3 + np.full(50, 1 << 20) / 1e9)
     assert method == "bandwidth_lower_bound" and bw > 0 and lat >= 0
     assert lat + (1 << 20) / bw == pytest.approx(1e-3 + (1 << 20) / 1e9, rel=1e-6)
+
+
+def shared_disk(n=600, latency_s=0.5e-3, bandwidth_Bps=3.0e9, shared_s_per_byte=1 / 3.0e9, seed=4, sizes=True):
+    """Requests at concurrency 1-3 on a disk that each other request in flight slows by
+    ``shared_s_per_byte`` (1 / bandwidth: a disk shared equally), 5% noise, 5% outliers."""
+    rng = np.random.default_rng(seed)
+    nbytes = np.exp(rng.uniform(np.log(256 << 10), np.log(4 << 20), n)).round() if sizes else np.full(n, 768 << 10)
+    conc = rng.uniform(1.0, 3.0, n)
+    seconds = (latency_s + nbytes / bandwidth_Bps + (conc - 1) * nbytes * shared_s_per_byte) * rng.lognormal(0, 0.05, n)
+    bad = rng.random(n) < 0.05
+    seconds[bad] *= rng.uniform(3.0, 6.0, bad.sum())
+    return pd.DataFrame({"tier": "nvme", "op": "write", "bytes": nbytes.astype("int64"), "seconds": seconds,
+                         "concurrency": conc})
+
+
+@pytest.mark.parametrize("sizes", [True, False], ids=["sizes-vary", "one-size"])
+def test_sharing_of_the_disk_is_fitted_from_the_concurrency(sizes):
+    df = shared_disk(sizes=sizes)
+    c = CostModel.fit(df).cost("nvme", "write")
+    assert c.shared_s_per_byte == pytest.approx(1 / 3.0e9, rel=0.15)
+    size = 1 << 20 if sizes else 768 << 10  # one size only: latency and bandwidth are known only together
+    assert c.seconds(size, concurrency=1) == pytest.approx(0.5e-3 + size / 3.0e9, rel=0.1)
+    assert c.seconds(size, concurrency=3) == pytest.approx(0.5e-3 + 3 * size / 3.0e9, rel=0.1)
+    assert c.concurrency == pytest.approx(2.0, abs=0.1)
+    # the same samples without their concurrency: the old per-request fit, which cannot tell
+    # a request alone from one among three (it predicts the middle for both)
+    blind = CostModel.fit(df.drop(columns="concurrency")).cost("nvme", "write")
+    assert blind.shared_s_per_byte == 0.0 and blind.concurrency == 1.0
+    alone = 0.5e-3 + size / 3.0e9
+    assert blind.seconds(size, concurrency=1) > 1.3 * alone
+
+
+def test_sharing_is_left_out_when_the_concurrency_does_not_vary_or_does_not_matter():
+    df = shared_disk()
+    df["concurrency"] = 2.0  # every request beside one other: sharing cannot be told from bandwidth
+    c = CostModel.fit(df).cost("nvme", "write")
+    assert c.shared_s_per_byte == 0.0 and "not resolved" in c.note
+    assert c.seconds(1 << 20) == pytest.approx(0.5e-3 + 2 * (1 << 20) / 3.0e9, rel=0.1)  # per request as measured
+    flat = shared_disk(shared_s_per_byte=0.0)  # a disk with room for all of them: no slow-down
+    c = CostModel.fit(flat).cost("nvme", "write")
+    assert c.shared_s_per_byte < 0.05 / 3.0e9
+    assert c.bandwidth_Bps == pytest.approx(3.0e9, rel=0.1)
 
 
 def test_costs_per_io_setting():

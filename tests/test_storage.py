@@ -495,13 +495,15 @@ def test_store_operations(tmp_path, tmp_o_direct):
         assert store.read_async(key_b, out).result() is out and torch.equal(out, b)
         assert store.bytes_written == (a.numel() * 4 + b.numel() * 2)
         assert store.bytes_read == store.bytes_written
-        assert [(op, key, n) for op, key, n, _ in events] == [
+        assert [(op, key, n) for op, key, n, _, _ in events] == [
             ("write", "a", a.numel() * 4),
             ("write", key_b, b.numel() * 2),
             ("read", "a", a.numel() * 4),
             ("read", key_b, b.numel() * 2),
         ]
-        assert all(s >= 0 for *_, s in events)
+        assert all(s >= 0 for *_, s, _ in events)
+        assert all(c >= 1.0 for *_, c in events)  # one request at a time here: each ran alone
+        assert all(c == pytest.approx(1.0, abs=0.05) for *_, c in events)
 
         store.write("a", torch.zeros(3))  # replace with another size
         assert store.nbytes("a") == 12 and torch.equal(store.read("a"), torch.zeros(3))

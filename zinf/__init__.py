@@ -11,13 +11,14 @@ Public contract (docs/architecture.md)::
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from zinf import errors
 from zinf.config import Config, load_config
 from zinf.engine import Engine
 from zinf.errors import ZinfError
 from zinf.events import Recorder
-from zinf.placement import PlacementController
+from zinf.placement import ChainedController, PlacementController
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "Engine", "Config", "load_config", "errors", "ZinfError", "__version__"]
@@ -31,18 +32,29 @@ def initialize(model, config: Config | dict | str | os.PathLike | None = None, *
     profiler's SQLite recorder (the engine itself never imports the profiler). ``controller``
     (e.g. the planner's) is asked for migrations after every optimizer step
     (:class:`zinf.placement.PlacementController`); it can also be set later as ``engine.controller``.
+    With ``zinf.autotune.enabled`` the I/O tuner (``planner.tuning.IoTuner``) runs first, chained
+    before that controller (:class:`zinf.placement.ChainedController`); the adaptive planner's first
+    plan then waits until tuning is over and a full planning window has run with the kept setting.
     """
     cfg = load_config(config)
     prof = cfg.zinf.profiler
     adaptive = cfg.zinf.placement.policy == "adaptive" and controller is None
+    autotune = cfg.zinf.autotune.enabled
     if adaptive:
         _check_adaptive(cfg, recorder)
-    if recorder is None and (prof.enabled or adaptive):  # adaptive plans from the profile
+    if autotune:
+        _check_autotune(cfg, recorder)
+    if recorder is None and (prof.enabled or adaptive or autotune):  # both measure through the profile
         from profiler import Recorder as DbRecorder
 
         recorder = DbRecorder(prof.db, detail=prof.detail, window_steps=prof.window_steps,
                               flush_interval_s=prof.flush_interval_s, heartbeat_s=prof.heartbeat_s)
     try:
+        tuner = None
+        if autotune:
+            from planner.tuning import IoTuner, TuningSettings
+
+            tuner = IoTuner(recorder, TuningSettings.from_config(cfg.zinf.autotune))
         if adaptive:
             from planner.controller import AdaptiveController, ControllerSettings
             from planner.policy import PolicySettings
@@ -50,14 +62,32 @@ def initialize(model, config: Config | dict | str | os.PathLike | None = None, *
             pc = cfg.zinf.placement
             policy = PolicySettings(margin=pc.adopt_margin, min_gain_fraction=pc.min_gain_fraction,
                                     warm_band=pc.warm_band)
-            controller = AdaptiveController(
-                prof.db, recorder, int(cfg.zinf.dram_budget),
-                ControllerSettings(replan_every=pc.replan_every, policy=policy))
+            settings = ControllerSettings(replan_every=pc.replan_every, policy=policy)
+            if tuner is not None:
+                # Trials must not feed the planner's calibration: its first plan reads only steps
+                # run with the kept setting (a whole planning window of them).
+                settings = replace(settings, first_plan_after=tuner.settings.last_step + settings.window_steps)
+            controller = AdaptiveController(prof.db, recorder, int(cfg.zinf.dram_budget), settings)
+        if tuner is not None:
+            controller = tuner if controller is None else ChainedController(tuner, controller)
         return Engine(model, cfg, recorder=recorder, controller=controller)
     except BaseException:
         if recorder is not None:
             recorder.close()
         raise
+
+
+def _check_autotune(cfg: Config, recorder) -> None:
+    """The autotuner measures its trials through the profile database: it must be recorded."""
+    prof = cfg.zinf.profiler
+    if not prof.enabled and "enabled" in prof.model_fields_set:
+        raise errors.ConfigError(
+            "zinf.autotune.enabled measures its trials through the profiler, but zinf.profiler.enabled is false; "
+            "remove that key or set it to true (or turn autotune off)")
+    if recorder is not None and not (hasattr(recorder, "record_tuning_trial") and hasattr(recorder, "url")):
+        raise errors.ConfigError(
+            "zinf.autotune.enabled needs the profiler's database recorder; do not pass recorder=, "
+            "or pass a profiler.Recorder")
 
 
 def _check_adaptive(cfg: Config, recorder) -> None:

@@ -637,13 +637,29 @@ class ProfilerConfig(_Section):
 
 
 class AutotuneConfig(_Section):
-    """Short trial runs that pick I/O and buffer settings before training."""
+    """In-training tuning of the I/O settings (``aio`` block size, queue depth, thread count) and
+    of the parameter prefetch window: a few short trials early in training, each measured through
+    the profiler (``tuning_trials``); the fastest is kept (see ``planner/tuning.py``)."""
 
     enabled: bool = False
-    """Run the autotuner before training."""
+    """Tune while training (needs the profiler: it is turned on unless ``zinf.profiler.enabled``
+    is false, which is an error). Only runs where some state lives on NVMe have anything to tune."""
 
     trials: int = Field(4, ge=1)
-    """Trial configurations measured."""
+    """Settings tried besides the configured one (each changes one setting of the best so far)."""
+
+    steps_per_trial: int = Field(3, ge=1)
+    """Optimizer steps measured per trial (their median step time is the trial's); each trial
+    also runs one settle step before them and one step while it is judged, so a trial costs
+    ``steps_per_trial + 2`` steps."""
+
+    start_step: int = Field(2, ge=1)
+    """Optimizer steps run before the first trial (the first records the prefetch trace; early
+    steps also warm the swap files up)."""
+
+    min_gain: float = Field(0.05, ge=0, lt=1)
+    """A trial replaces the best setting so far only when its step is faster by more than this
+    fraction (so noise does not move the configured setting)."""
 
 
 class ZinfConfig(_Section):
@@ -689,7 +705,7 @@ class ZinfConfig(_Section):
     """Profiler."""
 
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig)
-    """Autotuner."""
+    """In-training tuning of the I/O settings and the prefetch window."""
 
     run_name: str | None = None
     """Name of the run in the profile database and checkpoints; unset = generated."""

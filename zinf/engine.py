@@ -338,7 +338,6 @@ class Engine:
         any_nvme_optim = any(st.place.optim == "nvme" for st in self.states)
         any_nvme_param = any(st.place.param == "nvme" for st in self.states)
         group = self._largest_nvme_group_bytes()
-        elem = torch.empty((), dtype=self.dtype).element_size()
         left = None if budget_bytes is None else budget_bytes - self.dram_need.total_bytes
 
         def grant(want: int) -> int:
@@ -354,8 +353,8 @@ class Engine:
         eager_wanted = cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0 and any_nvme_optim
         eager = grant(3 * group) if eager_wanted else 0  # two updates queued, one group read ahead
         prefetch = 0
-        if any_nvme_param and zero.stage3_prefetch_bucket_size > 0:
-            want = min(zero.stage3_prefetch_bucket_size, zero.offload_param.buffer_count * zero.offload_param.buffer_size) * elem
+        want = self._wanted_prefetch_bytes()  # the config's, or set_io_settings'
+        if any_nvme_param and want > 0:
             prefetch = want if left is None else max(0, min(want, left))
             # a window smaller than the largest shard could never hold a read
             largest = max((self._nbytes(st)[0] for st in self.states if st.place.param == "nvme"), default=0)
@@ -387,7 +386,7 @@ class Engine:
         from zinf.storage.nvme import NvmeStore
 
         cfg = self.config
-        aio = cfg.aio
+        block_size, queue_depth, thread_count = self._aio_in_force()
         root = self._nvme_root(role)
         store = next((s for r, s in self._stores.items() if self._nvme_root(r) == root), None)
         if store is None:
@@ -395,9 +394,9 @@ class Engine:
             store = NvmeStore(
                 root,
                 run_name=f"{self.run_name}-{n_open}" if n_open else self.run_name,
-                block_size=aio.block_size,
-                queue_depth=aio.queue_depth,
-                thread_count=aio.thread_count,
+                block_size=block_size,
+                queue_depth=queue_depth,
+                thread_count=thread_count,
                 pin_memory=self.device.type == "cuda",
                 staging_bytes=cfg.zinf.staging_buffer_size,
                 staging_count=cfg.zinf.staging_buffers,
@@ -774,14 +773,14 @@ class Engine:
             self._count("read", "nvme", n * 4)
         return group
 
-    def _on_io(self, op: str, key: str, nbytes: int, seconds: float) -> None:
+    def _on_io(self, op: str, key: str, nbytes: int, seconds: float, concurrency: float = 1.0) -> None:
         if not self._run_started:
             return
         index, _, what = key.partition(".")
-        aio = self.config.aio
+        block_size, queue_depth, thread_count = self._aio_in_force()  # the settings it ran with
         self.recorder.emit(
             ev.IoDone(op, "nvme", what, self.shards[int(index)].name, nbytes, seconds, self.o_direct,
-                      aio.block_size, aio.queue_depth, aio.thread_count)
+                      block_size, queue_depth, thread_count, concurrency)
         )
 
     # ------------------------------------------------------------------ public API
@@ -992,6 +991,116 @@ class Engine:
         self._stats = _Traffic()
         self._step_timer = _StepTimer()
 
+    # ------------------------------------------------------------------ I/O settings (autotuning)
+    # The NVMe stores' backend settings (aio block size, queue depth, thread count) and the
+    # parameter prefetch window can change between optimizer steps (planner/tuning.py tries a
+    # few). Only I/O scheduling changes: every value read or computed is the same.
+    @property
+    def io_settings(self) -> dict[str, int]:
+        """The I/O settings in force: ``block_size`` (bytes), ``queue_depth`` and ``thread_count``
+        of the NVMe stores' backend, and ``prefetch_bytes``, the parameter prefetch window the
+        engine holds now (0: off, also when no param home is on NVMe)."""
+        block_size, queue_depth, thread_count = self._aio_in_force()
+        return {"block_size": block_size, "queue_depth": queue_depth, "thread_count": thread_count,
+                "prefetch_bytes": self.overlap.prefetch_bytes}
+
+    def set_io_settings(self, *, block_size: int | None = None, queue_depth: int | None = None,
+                        thread_count: int | None = None, prefetch_bytes: int | None = None) -> dict[str, int]:
+        """Change the NVMe I/O settings and the prefetch window, between optimizer steps.
+
+        ``block_size`` (bytes, a multiple of 4096), ``queue_depth`` and ``thread_count`` replace
+        the ``aio`` settings of every NVMe store (and of stores opened later); ``prefetch_bytes``
+        replaces the window that ``stage3_prefetch_bucket_size`` (capped by ``buffer_count`` x
+        ``buffer_size``) gives, 0 = prefetch off. None keeps a setting. Everything in flight is
+        drained first; then the stores switch to a new backend and the overlap buffers are sized
+        again, as after a migration. Returns :attr:`io_settings`. Raises ModelError inside an
+        accumulation window, ConfigError for a bad value, BudgetError for a window that does not
+        fit ``zinf.dram_budget`` (nothing changes then). :meth:`reset_io_settings` goes back to
+        the config's settings."""
+        self._check_open()
+        self._check_between_steps("engine.set_io_settings")
+        from zinf.storage.aligned import ALIGN
+
+        given = {"block_size": block_size, "queue_depth": queue_depth, "thread_count": thread_count,
+                 "prefetch_bytes": prefetch_bytes}
+        for name, value in given.items():
+            low = 0 if name == "prefetch_bytes" else 1
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ConfigError(f"engine.set_io_settings: {name} must be an int >= {low} (or None to keep it), got {value!r}")
+        if block_size is not None and block_size % ALIGN:
+            raise ConfigError(f"engine.set_io_settings: block_size must be a multiple of {ALIGN} bytes "
+                              f"(O_DIRECT alignment), got {block_size}; e.g. {max(ALIGN, block_size // ALIGN * ALIGN)}")
+        old = self._aio_in_force()
+        aio = tuple(old[i] if v is None else v for i, v in enumerate((block_size, queue_depth, thread_count)))
+        want = getattr(self, "_prefetch_override", None) if prefetch_bytes is None else prefetch_bytes
+        if prefetch_bytes is not None:
+            self._check_prefetch_fits(prefetch_bytes)
+        return self._apply_io_settings(aio, want)
+
+    def reset_io_settings(self) -> dict[str, int]:
+        """Go back to the config's I/O settings and prefetch window (see :meth:`set_io_settings`)."""
+        self._check_open()
+        self._check_between_steps("engine.reset_io_settings")
+        return self._apply_io_settings(None, None)
+
+    def _aio_in_force(self) -> tuple[int, int, int]:
+        """(block_size, queue_depth, thread_count) of the NVMe backend: set_io_settings' or the config's."""
+        override = getattr(self, "_aio_override", None)
+        if override is not None:
+            return override
+        aio = self.config.aio
+        return aio.block_size, aio.queue_depth, aio.thread_count
+
+    def _wanted_prefetch_bytes(self) -> int:
+        """The prefetch window asked for, before the DRAM budget caps it: set_io_settings' bytes,
+        else ``stage3_prefetch_bucket_size`` elements (at most ``buffer_count`` x ``buffer_size``)."""
+        override = getattr(self, "_prefetch_override", None)
+        if override is not None:
+            return override
+        zero = self.config.zero_optimization
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return min(zero.stage3_prefetch_bucket_size, zero.offload_param.buffer_count * zero.offload_param.buffer_size) * elem
+
+    def _check_prefetch_fits(self, want: int) -> None:
+        """Raise unless a prefetch window of ``want`` bytes would be granted in full."""
+        from zinf.errors import BudgetError
+
+        nvme = [self._nbytes(st)[0] for st in self.states if st.place.param == "nvme"]
+        if want == 0 or not nvme:
+            return  # off, or nothing to prefetch (the window applies once params go to NVMe)
+        if want < max(nvme):
+            raise ConfigError(f"engine.set_io_settings: prefetch_bytes {want} is smaller than the largest parameter "
+                              f"shard on NVMe ({max(nvme)} bytes), so no read would fit; use 0 (off) or at least {max(nvme)}")
+        budget = self.config.zinf.dram_budget
+        if budget is None:
+            return
+        saved = getattr(self, "_prefetch_override", None), self.dram_need
+        self._prefetch_override, self.dram_need = want, self._dram_need()
+        try:
+            overlap = self._size_overlap(budget)
+            left = budget - self.dram_need.total_bytes - (overlap.total_bytes - overlap.prefetch_bytes)
+        finally:
+            self._prefetch_override, self.dram_need = saved
+        if overlap.prefetch_bytes < want:
+            raise BudgetError(f"engine.set_io_settings: a prefetch window of {fmt_bytes(want)} does not fit zinf.dram_budget "
+                              f"{fmt_bytes(budget)} ({fmt_bytes(max(0, left))} left after homes, working set and the other "
+                              f"overlap buffers); ask for at most {max(0, left)} bytes or raise zinf.dram_budget")
+
+    def _apply_io_settings(self, aio: tuple[int, int, int] | None, prefetch_want: int | None) -> dict[str, int]:
+        """Drain, then put ``aio`` (None: the config's) on every store and re-size the overlap
+        buffers for the window ``prefetch_want`` (None: the config's)."""
+        self._drain()  # nothing may be in flight while the backends change
+        aio_cfg = self.config.aio
+        block_size, queue_depth, thread_count = aio or (aio_cfg.block_size, aio_cfg.queue_depth, aio_cfg.thread_count)
+        for store in {id(s): s for s in self._stores.values()}.values():
+            # waits for reads still landing (cancelled prefetches), reported with the old settings
+            store.reconfigure(block_size=block_size, queue_depth=queue_depth, thread_count=thread_count)
+        self._aio_override, self._prefetch_override = aio, prefetch_want
+        self._resize_after_migration(new_trace=False)  # prefetch window, buffer pool cap, ...
+        if self._pass_open == "fresh":
+            self._prefetcher.begin_pass()  # the reads _drain cancelled
+        return self.io_settings
+
     # ------------------------------------------------------------------ migrations
     def migrate(self, moves: Iterable[Move], *, max_bytes: int | None = None) -> MigrationReport:
         """Move shards' param or optimizer homes between DRAM ("cpu") and NVMe, between steps.
@@ -1060,11 +1169,11 @@ class Engine:
         if self.recorder.enabled:
             self.recorder.emit(ev.ShardMigrated(self.global_steps, st.name, move.state, src, move.dst, nbytes, seconds))
 
-    def _check_between_steps(self) -> None:
+    def _check_between_steps(self, what: str = "engine.migrate") -> None:
         """Raise unless no micro-batch of an accumulation window is under way."""
         if self._in_backward or self._window_open or self.micro_steps % self.gradient_accumulation_steps:
             raise ModelError(
-                f"engine.migrate may only be called between optimizer steps (after the engine.step() that ends "
+                f"{what} may only be called between optimizer steps (after the engine.step() that ends "
                 f"an accumulation window of {self.gradient_accumulation_steps}, before the next forward); "
                 f"micro-batch {self.micro_steps % self.gradient_accumulation_steps + 1} is under way")
 
@@ -1114,6 +1223,24 @@ class Engine:
         finally:
             for st, place in zip(self.states, saved):
                 st.place = place
+
+    def overlap_of(self, placement: Mapping[str, Mapping[str, str]]) -> "Overlap":
+        """The overlap buffers (prefetch window, writes in flight, read-ahead, updates during
+        backward) the engine would grant under ``zinf.dram_budget`` with ``placement``, as it
+        re-sizes them after a migration. Nothing moves. For planners: what a plan leaves of the
+        budget decides which kinds of overlap the engine keeps."""
+        saved_places, saved_need = [st.place for st in self.states], self.dram_need
+        try:
+            for st in self.states:
+                tiers = placement.get(st.name)
+                if tiers is not None:
+                    st.place = ShardPlacement(tiers.get("param", st.place.param), tiers.get("optim", st.place.optim))
+            self.dram_need = self._dram_need()
+            return self._size_overlap(self.config.zinf.dram_budget)
+        finally:
+            for st, place in zip(self.states, saved_places):
+                st.place = place
+            self.dram_need = saved_need
 
     def _over_dram_budget(self, st: ShardState, new: ShardPlacement) -> str | None:
         """Why placing ``st`` at ``new`` would break ``zinf.dram_budget`` (None: it fits), by the

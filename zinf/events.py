@@ -102,6 +102,7 @@ class IoDone:
     block_size: int
     queue_depth: int
     thread_count: int
+    concurrency: float = 1.0  # mean requests in flight on the disk while it ran, itself included
 
 
 @dataclass(frozen=True, slots=True)

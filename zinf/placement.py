@@ -24,6 +24,7 @@ engine core knows only this interface, never the planner itself.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -33,6 +34,8 @@ from zinf.shards import Shard
 
 if TYPE_CHECKING:  # the engine imports this module; only type checkers need the reverse
     from zinf.engine import Engine
+
+log = logging.getLogger("zinf")
 
 TIERS = ("gpu", "cpu", "nvme")
 MOVE_STATES = ("param", "optim")  # which home of a shard a Move relocates
@@ -126,6 +129,37 @@ class PlacementController(Protocol):
     def after_step(self, engine: "Engine") -> Iterable[Move] | None:
         """Moves to make now (None or empty: nothing)."""
         ...
+
+
+class ChainedController:
+    """Several controllers as one: :meth:`after_step` asks each in turn (in the given order) and
+    returns all their moves, concatenated. One that raises is logged (once per message, logger
+    ``zinf``) and skipped for that step; the others still run. ``zinf.initialize`` uses it to run
+    the I/O autotuner before the adaptive planner."""
+
+    def __init__(self, *controllers: PlacementController) -> None:
+        for c in controllers:
+            if not callable(getattr(c, "after_step", None)):
+                raise ConfigError(f"ChainedController takes objects with an after_step(engine) method, got {c!r}")
+        self.controllers = list(controllers)
+        self._warned: set[str] = set()
+
+    def after_step(self, engine: "Engine") -> list[Move]:
+        moves: list[Move] = []
+        for c in self.controllers:
+            try:
+                got = c.after_step(engine)
+            except Exception as e:  # one controller's failure must not cost the others' moves
+                message = f"{type(c).__name__}: {type(e).__name__}: {e}"
+                if message not in self._warned:
+                    self._warned.add(message)
+                    log.warning("placement controller %s failed; training goes on without its moves", message)
+                continue
+            if isinstance(got, Move):
+                moves.append(got)
+            elif got:
+                moves.extend(got)
+        return moves
 
 
 @dataclass

@@ -36,6 +36,7 @@ import torch
 from zinf.errors import StorageError
 from zinf.storage.aligned import ALIGN, StagingPool, round_up
 from zinf.storage.fsinfo import filesystem_of, probe_o_direct
+from zinf.storage.inflight import for_path as _inflight_for
 from zinf.storage.io import ThreadPoolBackend
 from zinf.storage.shardfile import (
     HEADER_BYTES,
@@ -52,7 +53,8 @@ LOCK_NAME = "owner.lock"
 RUN_DIR_PREFIX = "zinf-"
 SHARD_SUFFIX = ".shard"
 
-Listener = Callable[[str, str, int, float], None]  # (op, key, payload bytes, seconds)
+# (op, key, payload bytes, seconds, concurrency: mean requests in flight on the disk meanwhile, itself included)
+Listener = Callable[[str, str, int, float, float], None]
 
 
 def _gib(n_bytes: int) -> str:
@@ -156,7 +158,8 @@ class NvmeStore:
     exists) stage tensors whose memory ``O_DIRECT`` cannot use directly; their size is
     :attr:`staging_bytes_total`, to count against the DRAM budget. Up to ``spare_bytes`` of disk
     hold retired versions of files for reuse (:class:`SparePool`). ``listener(op, key, nbytes,
-    seconds)`` is called after each whole-file read or write ("read"/"write", payload bytes).
+    seconds, concurrency)`` is called after each whole-file read or write ("read"/"write", payload
+    bytes; ``concurrency`` from :mod:`zinf.storage.inflight`).
 
     Reads and writes of different keys may run concurrently from any threads. Use as a context
     manager, or call :meth:`close`.
@@ -212,6 +215,7 @@ class NvmeStore:
             raise
 
         self._backend = ThreadPoolBackend(block_size, queue_depth, thread_count)
+        self._inflight = _inflight_for(self.run_dir)  # requests in flight on this disk, for the listener
         # Async requests run the synchronous code on these threads; the block I/O itself runs
         # on the backend's threads.
         self._requests = ThreadPoolExecutor(
@@ -419,7 +423,16 @@ class NvmeStore:
         return self._write_now(key, tensor)
 
     def _write_now(self, key: str, tensor: torch.Tensor) -> int:
-        start_s = time.perf_counter()
+        ticket = self._inflight.enter()
+        try:
+            file_bytes = self._write_file(key, tensor)
+        except BaseException:
+            self._inflight.leave(ticket)  # a failed request leaves the count too
+            raise
+        self._account("write", key, tensor.numel() * tensor.element_size(), ticket)
+        return file_bytes
+
+    def _write_file(self, key: str, tensor: torch.Tensor) -> int:
         path = self.path(key)
         kwargs = dict(backend=self._backend, o_direct=self.o_direct, key=key)
         padded_bytes = round_up(tensor.numel() * tensor.element_size())
@@ -447,7 +460,6 @@ class NvmeStore:
         nbytes = tensor.numel() * tensor.element_size()
         with self._index_lock:
             self._index[key] = nbytes
-        self._account("write", key, nbytes, start_s)
         return file_bytes
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -456,14 +468,18 @@ class NvmeStore:
         ``CorruptShardError`` for a damaged file."""
         self._check_open()
         self._wait_pending(key)
-        start_s = time.perf_counter()
+        ticket = self._inflight.enter()
         kwargs = dict(backend=self._backend, o_direct=self.o_direct, out=out, key=key)
-        if out is not None and needs_staging(out, o_direct=self.o_direct) and out.is_contiguous():
-            with self._staging.buffer() as staging:
-                result = read_tensor_file(self.path(key), staging=staging, **kwargs)
-        else:
-            result = read_tensor_file(self.path(key), **kwargs)
-        self._account("read", key, result.numel() * result.element_size(), start_s)
+        try:
+            if out is not None and needs_staging(out, o_direct=self.o_direct) and out.is_contiguous():
+                with self._staging.buffer() as staging:
+                    result = read_tensor_file(self.path(key), staging=staging, **kwargs)
+            else:
+                result = read_tensor_file(self.path(key), **kwargs)
+        except BaseException:
+            self._inflight.leave(ticket)
+            raise
+        self._account("read", key, result.numel() * result.element_size(), ticket)
         return result
 
     def read_async(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]:
@@ -509,6 +525,40 @@ class NvmeStore:
             futures = list(self._pending.values())
         for f in futures:
             f.result()
+
+    def reconfigure(
+        self,
+        *,
+        block_size: int | None = None,
+        queue_depth: int | None = None,
+        thread_count: int | None = None,
+    ) -> None:
+        """Serve later requests with new I/O settings (None: keep that one).
+
+        A new backend and new request threads are started and swapped in; every request asked
+        for before the call finishes on the old ones, which are then stopped (so this waits for
+        the requests in flight). No other thread may start requests on this store meanwhile (the
+        engine calls it between steps, with nothing of its own in flight). Bad values raise
+        ``ValueError`` before anything changes."""
+        self._check_open()
+        bs = self.block_size if block_size is None else block_size
+        qd = self.queue_depth if queue_depth is None else queue_depth
+        tc = self.thread_count if thread_count is None else thread_count
+        for name, value in (("block_size", bs), ("queue_depth", qd), ("thread_count", tc)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if bs % ALIGN:
+            raise ValueError(f"block_size must be a positive multiple of {ALIGN}, got {bs}")
+        if (bs, qd, tc) == (self.block_size, self.queue_depth, self.thread_count):
+            return
+        backend = ThreadPoolBackend(bs, qd, tc)
+        requests = ThreadPoolExecutor(max_workers=max(2, tc), thread_name_prefix="zinf-nvme")
+        old_backend, old_requests = self._backend, self._requests
+        self._backend, self._requests = backend, requests  # requests asked for from now on
+        self.block_size, self.queue_depth, self.thread_count = bs, qd, tc
+        self._spares.per_length = max(2, tc) + 1
+        old_requests.shutdown(wait=True)  # requests already asked for (some on the old backend)
+        old_backend.close()
 
     @property
     def writes_in_flight(self) -> int:
@@ -571,15 +621,15 @@ class NvmeStore:
         """Host memory held by the staging buffers (count it against the DRAM budget)."""
         return self._staging.total_bytes
 
-    def _account(self, op: str, key: str, nbytes: int, start_s: float) -> None:
-        seconds = time.perf_counter() - start_s
+    def _account(self, op: str, key: str, nbytes: int, ticket) -> None:
+        seconds, concurrency = self._inflight.leave(ticket)
         with self._counter_lock:
             if op == "read":
                 self.bytes_read += nbytes
             else:
                 self.bytes_written += nbytes
         if self.listener is not None:
-            self.listener(op, key, nbytes, seconds)
+            self.listener(op, key, nbytes, seconds, concurrency)
 
     # ----------------------------------------------------------------------------------------
     # Lifetime
