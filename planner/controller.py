@@ -31,6 +31,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+import pandas as pd
+
 from zinf.errors import ZinfError
 from zinf.placement import Move
 
@@ -69,7 +71,40 @@ class ControllerSettings:
     horizon_plans: int = 4
     """Re-plan periods over which a plan's gain must pay back its migrations."""
 
+    revert_fraction: float | None = 0.05
+    """A plan whose landed placement measures slower than the one it replaced by more than this
+    fraction (median of ``drift_steps`` steps against the plan's own window) is reverted (None:
+    never; ``zinf.placement.revert_fraction``)."""
+
+    retry_rate_change: float = 0.25
+    """After a revert, plans are not adopted again until the accesses per step have changed by
+    this fraction (L1, against those the reverted plan was made from)."""
+
     policy: PolicySettings = field(default_factory=PolicySettings)
+
+
+@dataclass
+class _Check:
+    """An adopted plan, to be measured once it has landed (and reverted if it made things worse)."""
+
+    step: int  # the step it was made after
+    before_s: float  # measured median step of the placement it replaced
+    before: dict  # that placement, {home: tier}
+    predicted_s: float  # its own predicted step
+    rates: "pd.Series"  # accesses per step per shard it was made from
+
+
+def _rates(workload: Workload) -> "pd.Series":
+    """Accesses per step of every shard (forward + backward + optimizer), by shard name."""
+    df = workload.shards
+    return (df["fwd_accesses_per_step"] + df["bwd_accesses_per_step"] + df["opt_accesses_per_step"]).set_axis(df["shard"])
+
+
+def _rate_change(now: "pd.Series", then: "pd.Series") -> float:
+    """Relative L1 change of the accesses per step: sum |now - then| / sum then."""
+    now, then = now.align(then, fill_value=0.0)
+    total = float(then.abs().sum())
+    return float((now - then).abs().sum()) / total if total > 0 else float(now.abs().sum() > 0)
 
 
 class _BudgetFull(PlanError):
@@ -96,9 +131,13 @@ class AdaptiveController:
         self.last_skip: str | None = None
         self._target: dict[Home, str] | None = None  # the adopted placement still being applied
         self._predicted_step_s: float | None = None  # of the placement in force
-        self._settled_step = 0  # the step after which the current placement was complete
+        # the first step run with the current placement complete (the run's first step at the start)
+        self._settled_step = 1
         self._last_plan_step = 0
         self._recent_s: deque[float] = deque(maxlen=max(1, self.settings.drift_steps))
+        self._verify: _Check | None = None  # the adopted plan whose landed placement is measured next
+        self._failed: _Check | None = None  # the last plan reverted, until the accesses change
+        self.plans_reverted = 0
         self._warned: set[str] = set()
         # Measured cost of this engine's migrations (seconds per byte moved, all overheads in),
         # from the reports of the moves it applied; None until one moved bytes.
@@ -128,7 +167,8 @@ class AdaptiveController:
         step = engine.global_steps
         self._learn_migration_cost(getattr(engine, "last_migration", None))
         last = getattr(engine, "last_step", None)  # the previous step's {"wall_s": ...}
-        if last and last.get("wall_s") is not None and self._target is None:
+        # measured: the steps of the placement in force, less its first (it records the module trace again)
+        if last and last.get("wall_s") is not None and self._target is None and step - 1 > self._settled_step:
             self._recent_s.append(float(last["wall_s"]))
         if self._target is not None:
             left = diff_moves(homes_of(engine.placement), self._target)
@@ -138,6 +178,15 @@ class AdaptiveController:
             self._settled_step = step
             self._recent_s.clear()
         s = self.settings
+        if self._verify is not None and s.revert_fraction is None:
+            self._verify = None
+        if self._verify is not None and len(self._recent_s) >= s.drift_steps:
+            check, self._verify = self._verify, None
+            measured = statistics.median(self._recent_s)
+            if measured > check.before_s * (1 + s.revert_fraction):
+                return self._revert(engine, step, check, measured)
+        if self._verify is not None:
+            return None  # the plan in force is measured before the next one is made
         if step - self._settled_step < s.first_plan_after:
             return None
         drifted = self._drifted()
@@ -160,7 +209,9 @@ class AdaptiveController:
         s = self.settings
         self.recorder.flush()
         run_id = self.recorder.run_id
-        since = step - self._settled_step
+        # the steps recorded since the placement changed (up to the previous one: this step's row
+        # is written after this hook), less the first (it records the module trace again)
+        since = step - 1 - self._settled_step
         # A drift means the recent steps no longer look like the older ones: plan from the short
         # EWMA of the accesses then; a scheduled plan smooths over the longer one.
         # The long EWMA's halflife is one re-plan period (a plan has to pay back within a few
@@ -199,6 +250,15 @@ class AdaptiveController:
             density=density, dram_bytes=plan.home_bytes(), dram_room_bytes=plan.room_bytes,
             migration_s=move_s, horizon_steps=s.replan_every * s.horizon_plans,
         )
+        rates = _rates(workload)
+        if decision.adopt and self._failed is not None:
+            changed = _rate_change(rates, self._failed.rates)
+            if changed < s.retry_rate_change:  # a drifting step alone is no reason: the same model would err again
+                decision = replace(decision, adopt=False, reason=(
+                    f"a plan made from accesses like these was measured slower and reverted at step "
+                    f"{self._failed.step} (accesses changed {changed:.0%} since, < {s.retry_rate_change:.0%})"))
+            else:
+                self._failed = None
         self.plans_made += 1
         self.last_plan, self.last_decision = plan, decision
         predicted_s = sim.predict(decision.placement).step_s
@@ -227,7 +287,36 @@ class AdaptiveController:
         engine.plan_version += 1
         self._target = decision.placement
         self._predicted_step_s = predicted_s
+        self._verify = _Check(step, float(workload.measured_step_s), dict(current), predicted_s, rates)
         return decision.moves
+
+    def _revert(self, engine, step: int, check: "_Check", measured_s: float) -> list[Move] | None:
+        """Go back to the placement a plan replaced: it measured ``measured_s`` against
+        ``check.before_s`` before it (the model was wrong about this workload). Recorded as a plan
+        of its own (adopted, trigger "revert"); its moves count as ping-pong."""
+        moves = diff_moves(homes_of(engine.placement), check.before)
+        why = (f"plan of step {check.step} measured {measured_s * 1e3:.1f} ms/step against {check.before_s * 1e3:.1f} "
+               f"before it (predicted {check.predicted_s * 1e3:.1f}): reverted")
+        self._failed = check
+        self._predicted_step_s = check.before_s
+        if not moves:
+            return None
+        self.plans_made += 1
+        self.plans_reverted += 1
+        self.policy.pingpong_total += len(moves)
+        assignments = [{"shard": name, "param_tier": check.before.get((name, "param"), tiers["param"]),
+                        "optim_tier": check.before.get((name, "optim"), tiers["optim"]), "score": 0.0}
+                       for name, tiers in engine.placement.items()]
+        self.recorder.record_plan(
+            self.plans_made, assignments, policy="adaptive", created_step=step, dram_budget_bytes=self.dram_budget_bytes,
+            predicted_step_s=check.before_s, predicted_gain_s=measured_s - check.before_s, adopted=True,
+            reason={"adopt": True, "why": why, "moves": len(moves), "trigger": "revert", "measured_step_s": measured_s,
+                    "before_step_s": check.before_s, "predicted_step_s": check.predicted_s})
+        log.info("zinf planner: step %d plan %d: %s", step, self.plans_made, why)
+        engine.plan_version += 1
+        self._target = check.before
+        self._last_plan_step = step
+        return moves
 
     def _best_plan(self, engine, workload: Workload, cost) -> tuple[Plan, Simulator]:
         """The fastest predicted plan over a few ways of splitting the budget between homes and

@@ -204,10 +204,11 @@ def stall_cost(workload: Workload, cost_model, *, prefetch_bytes: int | None = N
     c_f, c_b = _per_access_compute(wl)  # seconds per pass of each shard's forward / backward uses
 
     # -- param: the NVMe trace of one pass at the all-NVMe placement (pins kept)
-    base = wl.all_nvme_placement()
-    param_nvme = np.array([base[s]["param"] == "nvme" for s in df["shard"]], bool)
-    movable_p = df["pin_param"].isna().to_numpy() & np.array([base[s]["param"] in ("cpu", "nvme") for s in df["shard"]])
-    in_trace = param_nvme | movable_p  # the shards whose reads would be in the trace
+    # (an unpinned param is on NVMe there and movable; a pinned one stays at its pin)
+    pin_p = df["pin_param"]
+    movable_p = pin_p.isna().to_numpy()
+    param_nvme = movable_p | (pin_p == "nvme").to_numpy()
+    in_trace = param_nvme  # the shards whose reads would be in the trace
     # records of a pass: forward in order, then backward in reverse order
     fwd_rec = np.flatnonzero(wf > 0)
     bwd_rec = np.flatnonzero(wb > 0)[::-1]

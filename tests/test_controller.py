@@ -44,7 +44,7 @@ def adaptive_config(tmp_path, budget_bytes: int, **placement) -> dict:
                  # Adopt any plan predicted faster: whether a gain pays for its migrations depends on
                  # timings of this shared machine; tests/test_policy.py tests that judgement.
                  "placement": {"policy": "adaptive", "replan_every": REPLAN, "adopt_margin": 0,
-                               "min_gain_fraction": 0, **placement},
+                               "min_gain_fraction": 0, "revert_fraction": None, **placement},
                  "profiler": {"db": f"sqlite:///{tmp_path}/profile.db"}},
     }
 
@@ -174,3 +174,64 @@ def test_the_demo_plans_from_its_profile(tmp_path):
     plans = queries.plans(summary["profile_db"], queries.latest_run_id(summary["profile_db"]))
     assert len(plans) == summary["plans_made"]
     assert (summary["migrations"] > 0) == (summary["plans_adopted"] > 0)  # an adopted plan moves homes
+
+
+class _WrongModel:
+    """A simulator that believes every placement takes 1 ms a step: the planner's model is wrong."""
+
+    def predict(self, placement):
+        from planner.simulator import Prediction
+
+        return Prediction(1e-3, 0, 0, 0, 0, 0, 0, 1e-3, 0, 1, 0, 0)
+
+
+def test_a_plan_measured_slower_is_reverted_and_not_tried_again(tmp_path):
+    """The controller trusts measurement over its model: a plan that makes the steps slower once it
+    has landed is undone, recorded as a revert, and the same plan is not adopted again while the
+    accesses stay the same. The wrong model is injected: every home to NVMe, "predicted" 1 ms."""
+    from planner.controller import AdaptiveController, ControllerSettings
+    from planner.policy import PolicySettings
+    from zinf.placement import Move
+
+    torch.manual_seed(0)
+    model, cfg = build_model("gpt", "tiny")
+    data = TokenBatches(markov_tokens(cfg.vocab_size, 20_000, seed=1), 2, 32, seed=1)
+    config = adaptive_config(tmp_path, 64 * MiB)
+    config["zinf"]["placement"] = {"policy": "static"}
+    config["zinf"]["profiler"]["enabled"] = True
+    config["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**9  # every param in DRAM
+    url = config["zinf"]["profiler"]["db"]
+
+    class WrongPlanner(AdaptiveController):
+        def _best_plan(self, engine, workload, cost):
+            plan, _ = super()._best_plan(engine, workload, cost)
+            plan.placement = {n: {"param": "nvme", "optim": "nvme"} for n in engine.placement}
+            return plan, _WrongModel()
+
+    with zinf.initialize(model, config) as engine:
+        engine.migrate([Move(n, "optim", "cpu") for n, t in engine.placement.items() if t["optim"] == "nvme"])
+        start = engine.placement
+        assert all(t["param"] == "cpu" and t["optim"] in ("cpu", "none") for t in start.values())
+        controller = WrongPlanner(url, engine.recorder, 64 * MiB, ControllerSettings(
+            replan_every=REPLAN, first_plan_after=6,  # a 5-step median before: robust to one slow step
+            policy=PolicySettings(margin=0, min_gain_fraction=0)))
+        engine.controller = controller
+        for step in range(6 * REPLAN):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        end = engine.placement
+        engine.recorder.flush()
+        run_id = engine.recorder.run_id
+    assert controller.plans_reverted == 1, queries.steps(url, run_id)[["step", "wall_s", "forward_s", "backward_s", "optimizer_s", "migration_s"]].to_string()
+    assert end == start, "the reverted placement is the one the bad plan replaced"
+    plans = queries.plans(url, run_id)
+    reasons = plans["reason"].tolist()
+    reverts = [i for i, r in enumerate(reasons) if r.get("trigger") == "revert"]
+    assert len(reverts) == 1 and plans["adopted"].iat[reverts[0]]
+    first = reverts[0] - 1
+    assert plans["adopted"].iat[first] and reasons[first]["trigger"] == "schedule"  # the bad plan itself
+    assert reasons[reverts[0]]["measured_step_s"] > 1.05 * reasons[reverts[0]]["before_step_s"]
+    later = plans.iloc[reverts[0] + 1:]
+    assert len(later) >= 1 and not later["adopted"].any()  # the same plan was made again, and refused
+    assert all("reverted" in r["why"] for r in later["reason"])

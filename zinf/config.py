@@ -604,6 +604,11 @@ class PlacementConfig(_Section):
     """Adaptive: homes whose value per byte is within this fraction of the plan's DRAM threshold
     stay where they are (hysteresis against ping-pong)."""
 
+    revert_fraction: float | None = Field(0.05, ge=0)
+    """Adaptive: a plan whose placement, once landed, measures slower than the placement it
+    replaced by more than this fraction is reverted, and no similar plan is adopted until the
+    accesses change (null: never revert)."""
+
 
 class ProfilerConfig(_Section):
     """The profiler that records per-step and per-shard timings to a database."""
