@@ -62,6 +62,13 @@ class ControllerSettings:
     window_steps: int = 20
     """Newest steps (since the last placement change) that a plan is made from."""
 
+    rate_window_periods: int = 8
+    """Re-plan periods of steps (across placement changes) the access rates are smoothed over."""
+
+    rate_halflife_periods: float = 2.0
+    """Halflife of the long EWMA of the access rates, in re-plan periods (the short one is a
+    quarter period, used when the step drifts)."""
+
     drift_fraction: float = 0.25
     """Re-plan early when the measured median step differs from the prediction by this fraction."""
 
@@ -81,6 +88,13 @@ class ControllerSettings:
     this fraction (L1, against those the reverted plan was made from)."""
 
     policy: PolicySettings = field(default_factory=PolicySettings)
+
+
+PLAN_RESIMULATE_HOMES = 128
+"""Above this many movable homes the controller's greedy takes the solver's fast path."""
+
+PLAN_MILP_GAP = 1e-4
+"""Relative optimality gap of the controller's MILP solves (the linear model is itself approximate)."""
 
 
 @dataclass
@@ -214,11 +228,16 @@ class AdaptiveController:
         since = step - 1 - self._settled_step
         # A drift means the recent steps no longer look like the older ones: plan from the short
         # EWMA of the accesses then; a scheduled plan smooths over the longer one.
-        # The long EWMA's halflife is one re-plan period (a plan has to pay back within a few
-        # periods, so older behaviour matters less), the short one a quarter of it.
+        # The long EWMA's halflife is rate_halflife_periods re-plan periods (long enough to
+        # average out the token noise of small batches; a plan pays back over a few periods), the
+        # short one a quarter period.
+        # Timings come from the steps of the placement in force; access rates, which no placement
+        # changes, from up to rate_window_periods re-plan periods, so that a few tokens a step do
+        # not make every plan chase noise (churn).
         workload = Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
+                                         rate_steps=max(2, s.rate_window_periods * s.replan_every),
                                          rate="short" if drifted else "long",
-                                         long_halflife_steps=float(s.replan_every),
+                                         long_halflife_steps=float(s.rate_halflife_periods * s.replan_every),
                                          short_halflife_steps=max(1.0, s.replan_every / 4))
         cost = CostModel.from_db(self.url, run_id)
         overlap = engine.overlap
@@ -373,8 +392,10 @@ class AdaptiveController:
         if best is None:
             raise _BudgetFull("no split of zinf.dram_budget between homes and buffers leaves room for another plan")
         plan, wl, reserved, granted = best
+        # the greedy re-simulates every home on small models; above PLAN_RESIMULATE_HOMES it takes
+        # the solver's fast path (a bounded number of simulations): planning runs between steps
         greedy = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=wl.prefetch_bytes,
-                       method="greedy")
+                       method="greedy", resimulate_max_homes=PLAN_RESIMULATE_HOMES)
         greedy.note = plan.note
         greedy_granted = self._as_granted(engine, workload, greedy, cost)
         if greedy.prediction.step_s < plan.prediction.step_s:
@@ -404,7 +425,7 @@ class AdaptiveController:
         for _ in range(4):
             try:
                 candidate = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved,
-                                  prefetch_bytes=wl.prefetch_bytes, method="milp")
+                                  prefetch_bytes=wl.prefetch_bytes, method="milp", milp_rel_gap=PLAN_MILP_GAP)
             except PlanError:
                 break
             need = engine.dram_need_of(candidate.placement)

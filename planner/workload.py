@@ -258,10 +258,14 @@ class Workload:
     @classmethod
     def from_profile(cls, url, run_id: int | None = None, *, last_steps: int = 20, rate: str = "long",
                      short_halflife_steps: float | None = None, long_halflife_steps: float | None = None,
-                     unstable_threshold: float | None = None, measure_update_if_needed: bool = True) -> "Workload":
+                     unstable_threshold: float | None = None, measure_update_if_needed: bool = True,
+                     rate_steps: int | None = None) -> "Workload":
         """Build the workload of ``run_id`` (default: the newest run) from a profile database.
 
-        ``last_steps``: how many of the newest steps to use (the run's first step is never used);
+        ``last_steps``: how many of the newest steps to use (the run's first step is never used)
+        for the timings; ``rate_steps`` (default: ``last_steps``): how many for the access rates,
+        which do not depend on the placement, so a planner may smooth them over steps from before
+        the last migration;
         ``rate``: which smoothed access rate goes into the ``*_accesses_per_step`` columns,
         "long" (the long EWMA, default), "short" or "max" of the two; the halflives and threshold
         are those of :func:`planner.hotness.access_rates`. ``measure_update_if_needed``: time the
@@ -290,7 +294,11 @@ class Workload:
         ss = ss[(ss["step"] >= first) & (ss["step"] <= last)]
         kwargs = {k: v for k, v in (("short_halflife_steps", short_halflife_steps), ("long_halflife_steps", long_halflife_steps),
                                     ("unstable_threshold", unstable_threshold)) if v is not None}
-        rates = hotness.access_rates(ss, shards["name"].tolist(), steps=used["step"].tolist(), **kwargs).set_index("shard")
+        rate_used = used if rate_steps is None else usable.tail(int(rate_steps))
+        if rate_steps is not None:
+            ss = queries.shard_steps(url, run_id)
+            ss = ss[(ss["step"] >= int(rate_used["step"].min())) & (ss["step"] <= last)]
+        rates = hotness.access_rates(ss, shards["name"].tolist(), steps=rate_used["step"].tolist(), **kwargs).set_index("shard")
         stats = queries.shard_access_stats(url, run_id, first_step=first, last_step=last).set_index("name")
 
         def pick(phase: str) -> pd.Series:
