@@ -69,10 +69,6 @@ class ControllerSettings:
     """Halflife of the long EWMA of the access rates, in re-plan periods (the short one is a
     quarter period, used when the step drifts)."""
 
-    access_drift: float = 0.5
-    """Plan from the recent (short EWMA) accesses when they differ from the long-run ones by this
-    much (L1, relative): the workload changed, e.g. a router now prefers other experts."""
-
     drift_fraction: float = 0.25
     """Re-plan early when the measured median step differs from the prediction by this fraction."""
 
@@ -234,22 +230,15 @@ class AdaptiveController:
         # EWMA of the accesses then; a scheduled plan smooths over the longer one.
         # The long EWMA's halflife is rate_halflife_periods re-plan periods (long enough to
         # average out the token noise of small batches; a plan pays back over a few periods), the
-        # short one half a period.
+        # short one a quarter period.
         # Timings come from the steps of the placement in force; access rates, which no placement
         # changes, from up to rate_window_periods re-plan periods, so that a few tokens a step do
         # not make every plan chase noise (churn).
-        def build(rate: str) -> Workload:
-            return Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
-                                         rate_steps=max(2, s.rate_window_periods * s.replan_every), rate=rate,
+        workload = Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
+                                         rate_steps=max(2, s.rate_window_periods * s.replan_every),
+                                         rate="short" if drifted else "long",
                                          long_halflife_steps=float(s.rate_halflife_periods * s.replan_every),
-                                         short_halflife_steps=max(1.0, s.replan_every / 2))
-
-        workload = build("short" if drifted else "long")
-        # The accesses themselves moved (the hot experts changed): plan from the recent ones.
-        accesses_moved = workload.source.get("rate_change_short_vs_long", 0.0) > s.access_drift
-        if accesses_moved and not drifted:
-            drifted = True
-            workload = build("short")
+                                         short_halflife_steps=max(1.0, s.replan_every / 4))
         cost = CostModel.from_db(self.url, run_id)
         overlap = engine.overlap
         # The buffers the engine really has (under the budget it switches off what does not

@@ -307,13 +307,6 @@ class Workload:
 
         if rate not in ("long", "short", "max"):
             raise WorkloadError(f"rate must be 'long', 'short' or 'max', got {rate!r}")
-        # how far the recent accesses (short EWMA) are from the long-run ones, L1 relative to the
-        # long: a planner's sign that the workload itself changed (routing drift)
-        phases = ("fwd", "bwd", "rec", "opt")
-        short_all = sum(rates[f"{ph}_short"] for ph in phases)
-        long_all = sum(rates[f"{ph}_long"] for ph in phases)
-        total = float(long_all.abs().sum())
-        rate_change = float((short_all - long_all).abs().sum()) / total if total > 0 else 0.0
         zero = cfg.zero_optimization
         param_pins = PinSet.from_config(zero.offload_param.module_parameters)
         optim_pins = PinSet.from_config(zero.offload_optimizer.module_parameters)
@@ -355,8 +348,7 @@ class Workload:
         device = _device_of(cfg, info)
         dtype_bytes = int(df["param_bytes"].sum() / max(1, df["numel"].sum())) or 4
         source: dict[str, Any] = {"url": str(url), "run_id": int(run_id), "steps": [first, last], "n_steps": int(len(used)),
-                                  "rate": rate, "compute_split": "same stall fraction in forward and backward",
-                                  "rate_change_short_vs_long": rate_change}
+                                  "rate": rate, "compute_split": "same stall fraction in forward and backward"}
 
         update_s_per_elem, update_overhead_s, how = _update_cost(stats, cfg, measure_update_if_needed)
         source["update"] = how
