@@ -1213,22 +1213,22 @@ class Engine:
         with ``placement`` ({shard: {"param": tier, "optim": tier}}; shards left out keep their
         tiers), computed as ``initialize`` checks it. Nothing moves. For planners: the working
         set shrinks when params become resident, which a plan may spend on hot homes."""
-        saved = [st.place for st in self.states]
-        try:
-            for st in self.states:
-                tiers = placement.get(st.name)
-                if tiers is not None:
-                    st.place = ShardPlacement(tiers.get("param", st.place.param), tiers.get("optim", st.place.optim))
-            return self._dram_need()
-        finally:
-            for st, place in zip(self.states, saved):
-                st.place = place
+        with self._placed_as(placement):
+            return self.dram_need  # computed for the placement by _placed_as
 
     def overlap_of(self, placement: Mapping[str, Mapping[str, str]]) -> "Overlap":
         """The overlap buffers (prefetch window, writes in flight, read-ahead, updates during
         backward) the engine would grant under ``zinf.dram_budget`` with ``placement``, as it
         re-sizes them after a migration. Nothing moves. For planners: what a plan leaves of the
         budget decides which kinds of overlap the engine keeps."""
+        with self._placed_as(placement):
+            return self._size_overlap(self.config.zinf.dram_budget)
+
+    @contextlib.contextmanager
+    def _placed_as(self, placement: Mapping[str, Mapping[str, str]]):
+        """Within the block, every shard's ``place`` (and ``dram_need``) is as in ``placement``
+        (shards left out keep theirs); both are put back afterwards. No data moves: for asking
+        what the engine would need or grant with another placement."""
         saved_places, saved_need = [st.place for st in self.states], self.dram_need
         try:
             for st in self.states:
@@ -1236,7 +1236,7 @@ class Engine:
                 if tiers is not None:
                     st.place = ShardPlacement(tiers.get("param", st.place.param), tiers.get("optim", st.place.optim))
             self.dram_need = self._dram_need()
-            return self._size_overlap(self.config.zinf.dram_budget)
+            yield
         finally:
             for st, place in zip(self.states, saved_places):
                 st.place = place
