@@ -226,10 +226,16 @@ def fit_latency_bandwidth(nbytes: Iterable[float], seconds: Iterable[float]) -> 
 
 
 def _slope_standard_error(x: np.ndarray, y: np.ndarray, slope: float, intercept: float, *, through_origin: bool) -> float:
-    """A robust standard error of the fitted slope: least squares' ``sigma / sqrt(sum((x - mean
-    x)^2))`` (``sum(x^2)`` through the origin) with ``sigma`` from the MAD of the residuals, so the
-    outliers the Huber loss discounted do not inflate it. ``inf`` when x does not vary."""
-    residuals = y - (intercept + slope * x)
+    """A robust standard error of the fitted slope of ``y = intercept + slope x``: see
+    :func:`_robust_standard_error`."""
+    return _robust_standard_error(y - (intercept + slope * x), x, through_origin=through_origin)
+
+
+def _robust_standard_error(residuals: np.ndarray, x: np.ndarray, *, through_origin: bool = False) -> float:
+    """A robust standard error of a fitted coefficient of feature ``x``: least squares' ``sigma /
+    sqrt(sum((x - mean x)^2))`` (``sum(x^2)`` through the origin) with ``sigma`` from the MAD of the
+    fit's residuals, so the outliers the Huber loss discounted do not inflate it. ``inf`` when x
+    does not vary."""
     sigma = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
     spread = float(np.sum(x**2) if through_origin else np.sum((x - x.mean()) ** 2))
     if spread <= 0:
@@ -280,10 +286,7 @@ def fit_sharing(nbytes: np.ndarray, seconds: np.ndarray, concurrency: np.ndarray
         warnings.simplefilter("ignore", ConvergenceWarning)
         model.fit(x, y)
     slope = float(model.coef_[0])
-    residuals = y - model.predict(x)
-    sigma = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
-    spread = float(np.sum((shared_x - shared_x.mean()) ** 2))
-    se = sigma / math.sqrt(spread) if spread > 0 else math.inf
+    se = _robust_standard_error(y - model.predict(x), shared_x)
     if not (slope > 0 and slope >= SLOPE_MIN_T * se):
         return 0.0, s, f"sharing not significant (slope {slope:.3g} +- {se:.2g}, scaled)"
     shared = slope * scale_s / scale_b

@@ -276,17 +276,18 @@ class Simulator:
         wq_bytes = sum(b for _, b in wq)
         heapreplace, heappush, heappop = heapq.heapreplace, heapq.heappush, heapq.heappop
 
-        def others(start: float) -> int:
-            """Requests of the queue still in flight at ``start`` (they share the disk with a new one)."""
-            return sum(1 for f in free if f > start)
-
-        # the hot path: no sharing fitted -> no count; two servers (the default) -> two compares
+        # others(start): requests of the queue still in flight at ``start`` (they share the disk
+        # with a new one). Hot path: no sharing fitted -> nothing to count; two servers (the
+        # default) -> two compares.
         if r_share == 0.0 and w_share == 0.0:
-            def others(start: float) -> int:  # noqa: F811
+            def others(start: float) -> int:
                 return 0
         elif servers == 2:
-            def others(start: float) -> int:  # noqa: F811
+            def others(start: float) -> int:
                 return (free[0] > start) + (free[1] > start)
+        else:
+            def others(start: float) -> int:
+                return sum(1 for f in free if f > start)
 
         def read(t: float, nbytes: float, requests: float = 1.0) -> float:
             """Queue a read at time t; returns when it lands."""
