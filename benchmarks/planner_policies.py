@@ -239,6 +239,7 @@ class Run:
     plan_moved_bytes: list[int] = field(default_factory=list)
     pingpong: int = 0
     shards: int = 0
+    last_report: object = None  # the engine's last MigrationReport already counted
 
 
 def dram_homes(engine) -> str:
@@ -297,8 +298,8 @@ def track_controller(engine, step_s: float, run: Run, prediction: float | None, 
     nothing and made no plan), and the bytes a newly adopted plan moved."""
     c = engine.controller
     report = engine.last_migration
-    moved = report.bytes_moved if report is not None and report is not getattr(c, "_bench_seen", None) else 0
-    c._bench_seen = report
+    moved = report.bytes_moved if report is not None and report is not run.last_report else 0
+    run.last_report = report
     if engine.plan_version != version_before:
         run.plan_moved_bytes.append(moved)
     elif moved and run.plan_moved_bytes:

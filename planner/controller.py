@@ -108,6 +108,17 @@ class _Check:
     rates: "pd.Series"  # accesses per step per shard it was made from
 
 
+def _assignments(placement: dict, target: dict, density: dict | None = None) -> list[dict]:
+    """The ``plan_assignments`` rows of a plan: every shard of the engine's ``placement`` with the
+    tiers ``target`` ({home: tier}) gives it (its current ones where ``target`` is silent) and its
+    score (stall seconds saved per byte of its homes, 0 without ``density``)."""
+    density = density or {}
+    return [{"shard": name, "param_tier": target.get((name, "param"), tiers["param"]),
+             "optim_tier": target.get((name, "optim"), tiers["optim"]),
+             "score": density.get((name, "param"), 0.0) + density.get((name, "optim"), 0.0)}
+            for name, tiers in placement.items()]
+
+
 def _rates(workload: Workload) -> "pd.Series":
     """Accesses per step of every shard (forward + backward + optimizer), by shard name."""
     df = workload.shards
@@ -285,14 +296,8 @@ class AdaptiveController:
             "current_step_s": current_step_s, "measured_step_s": workload.measured_step_s,
             "solver": plan.method, "solver_s": plan.solve_s, "note": plan.note, "trigger": "drift" if drifted else "schedule",
         }
-        assignments = [
-            {"shard": name, "param_tier": decision.placement.get((name, "param"), tiers["param"]),
-             "optim_tier": decision.placement.get((name, "optim"), tiers["optim"]),
-             "score": density.get((name, "param"), 0.0) + density.get((name, "optim"), 0.0)}
-            for name, tiers in engine.placement.items()
-        ]
         self.recorder.record_plan(
-            self.plans_made, assignments, policy="adaptive", created_step=step,
+            self.plans_made, _assignments(engine.placement, decision.placement, density), policy="adaptive", created_step=step,
             dram_budget_bytes=self.dram_budget_bytes, predicted_step_s=predicted_s,
             predicted_gain_s=decision.gain_s_per_step, adopted=decision.adopt, reason=reason,
         )
@@ -323,11 +328,8 @@ class AdaptiveController:
         self.plans_made += 1
         self.plans_reverted += 1
         self.policy.pingpong_total += len(moves)
-        assignments = [{"shard": name, "param_tier": check.before.get((name, "param"), tiers["param"]),
-                        "optim_tier": check.before.get((name, "optim"), tiers["optim"]), "score": 0.0}
-                       for name, tiers in engine.placement.items()]
         self.recorder.record_plan(
-            self.plans_made, assignments, policy="adaptive", created_step=step, dram_budget_bytes=self.dram_budget_bytes,
+            self.plans_made, _assignments(engine.placement, check.before), policy="adaptive", created_step=step, dram_budget_bytes=self.dram_budget_bytes,
             predicted_step_s=check.before_s, predicted_gain_s=measured_s - check.before_s, adopted=True,
             reason={"adopt": True, "why": why, "moves": len(moves), "trigger": "revert", "measured_step_s": measured_s,
                     "before_step_s": check.before_s, "predicted_step_s": check.predicted_s})
