@@ -19,7 +19,7 @@ from zinf.models.moe import set_routing
 
 from profiler import queries
 
-from test_equivalence import OPT
+from test_equivalence import OPT, train_plain
 
 MiB = 1 << 20
 REPLAN = 4
@@ -49,24 +49,11 @@ def adaptive_config(tmp_path, budget_bytes: int, **placement) -> dict:
     }
 
 
-def train_plain(model, data, steps: int) -> tuple[list[float], dict]:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    losses = []
-    for step in range(steps):
-        x, y = data.get(step)
-        loss = model(x, y)
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-
-
 def test_adaptive_run_plans_migrates_hot_experts_and_matches_pytorch(tmp_path):
     steps = 3 * REPLAN + 2
     model, cfg, data = skewed_moe()
     ref_model, _, _ = skewed_moe()
-    ref_losses, ref_params = train_plain(ref_model, data, steps)
+    ref_losses, ref_params = train_plain(ref_model, data, 1, 0.0, steps)
 
     url = f"sqlite:///{tmp_path}/profile.db"
     losses = []

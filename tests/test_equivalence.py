@@ -58,10 +58,12 @@ MODELS = {
 OPT = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}}
 
 
-def train_plain(model, data, gas, clip):
+def train_plain(model, data, gas, clip, steps=None):
+    """Plain PyTorch AdamW (the config's OPT) on the micro-batches ``data.get(0), data.get(1), ...``:
+    the loss of every micro-batch and the parameters after ``steps`` (default STEPS) optimizer steps."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     losses = []
-    for step in range(STEPS):
+    for step in range(STEPS if steps is None else steps):
         for k in range(gas):
             x, y = data.get(step * gas + k)
             loss = model(x, y)

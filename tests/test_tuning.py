@@ -17,6 +17,7 @@ from zinf.placement import ChainedController, Move
 from zinf.storage.nvme import NvmeStore
 
 from conftest import gpt_batches, placement_config
+from test_equivalence import train_plain
 
 from profiler import queries
 from planner import tuning
@@ -141,19 +142,11 @@ def test_autotune_trains_bit_identically_to_plain_pytorch(tmp_path):
         tried = {tuple(sorted(t.setting.items())) for t in engine.controller.trials}
         final = engine.state_dict()
 
-    opt = torch.optim.AdamW(plain.parameters(), lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    ref: list[float] = []
-    for i in range(steps):
-        x, y = data.get(i)
-        loss = plain(x, y)
-        ref.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    ref, ref_params = train_plain(plain, data, 1, 0.0, steps)
     assert len(tried) >= 3  # the settings really changed during the run
     assert losses == ref
-    for name, p in plain.named_parameters(remove_duplicate=False):
-        assert torch.equal(final[name], p.detach()), name
+    for name, p in ref_params.items():
+        assert torch.equal(final[name], p), name
 
 
 def test_tuning_errors_stop_it_with_one_log_line_and_training_goes_on(tmp_path, monkeypatch, caplog):
