@@ -70,7 +70,8 @@ from zinf.placement import (
 )
 from zinf.prefetch import Prefetcher
 from zinf.shards import Member, Shard, build_shards
-from zinf.storage.aligned import BufferPool
+from zinf.storage.aligned import BufferPool, aligned_empty
+from zinf.threads import single_threaded_torch
 
 log = logging.getLogger("zinf")
 
@@ -194,7 +195,7 @@ class Engine:
                                    pin=self.device.type == "cuda")
         self._prefetcher = self._new_prefetcher()
         self._writes = _WriteWindow(self.overlap.write_bytes)
-        self._eager = ThreadPoolExecutor(1, thread_name_prefix="zinf-optim") if self.overlap.eager else None
+        self._eager = self._optimizer_worker() if self.overlap.eager else None
         self._eager_futures: list[Future] = []
         self._pass_held: set[ShardState] = set()  # chunks kept materialised until the pass ends
         self._pass_open = False  # a forward/backward pass is under way along the trace
@@ -656,7 +657,9 @@ class Engine:
         m = st.shard.members[i]
         with record_function("zinf.grad.offload"):
             if st.grad is None:
-                st.grad = torch.empty(st.shard.numel, dtype=torch.float32)
+                # 4096-aligned: an NVMe gradient file is then written and read straight from
+                # and into it (O_DIRECT), not through a staging copy
+                st.grad = aligned_empty(st.shard.numel * 4).view(torch.float32)[: st.shard.numel]
                 if st.grad_on_nvme:  # earlier micro-batches of this window left their sum on NVMe
                     t0 = time.perf_counter()
                     self._read_optim(st, "grad", out=st.grad)
@@ -881,6 +884,13 @@ class Engine:
                     if nxt is not None:
                         reads[nxt.shard.index] = self._read_group_async(nxt)
             self._update_shard(st, coef, reads.pop(st.shard.index, None))
+
+    def _optimizer_worker(self) -> ThreadPoolExecutor:
+        """The thread that runs updates during backward. With the CPU as the compute device the
+        training thread's OpenMP team has the cores, so the worker's updates stay on the worker
+        (a second team slows every step: zinf.threads); with a GPU the CPU is the worker's."""
+        init = single_threaded_torch if self.device.type == "cpu" else None
+        return ThreadPoolExecutor(1, thread_name_prefix="zinf-optim", initializer=init)
 
     def _wait_updates_during_backward(self) -> None:
         futures, self._eager_futures = self._eager_futures, []
@@ -1408,7 +1418,7 @@ class Engine:
             self._buffers.clear()
         self._buffers.max_free_bytes = max_free
         if self.overlap.eager and self._eager is None:
-            self._eager = ThreadPoolExecutor(1, thread_name_prefix="zinf-optim")
+            self._eager = self._optimizer_worker()
         elif not self.overlap.eager and self._eager is not None:
             self._eager.shutdown(wait=True)
             self._eager = None

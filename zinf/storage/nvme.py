@@ -38,6 +38,7 @@ from zinf.storage.aligned import ALIGN, StagingPool, round_up
 from zinf.storage.fsinfo import filesystem_of, probe_o_direct
 from zinf.storage.inflight import for_path as _inflight_for
 from zinf.storage.io import ThreadPoolBackend
+from zinf.threads import single_threaded_torch
 from zinf.storage.shardfile import (
     HEADER_BYTES,
     copy_tensor_file,
@@ -55,6 +56,13 @@ SHARD_SUFFIX = ".shard"
 
 # (op, key, payload bytes, seconds, concurrency: mean requests in flight on the disk meanwhile, itself included)
 Listener = Callable[[str, str, int, float, float], None]
+
+
+def _request_threads(thread_count: int) -> ThreadPoolExecutor:
+    """The threads that run asynchronous requests; their staging copies stay on the thread
+    (no OpenMP team of their own: see zinf.threads)."""
+    return ThreadPoolExecutor(max_workers=max(2, thread_count), thread_name_prefix="zinf-nvme",
+                              initializer=single_threaded_torch)
 
 
 def _gib(n_bytes: int) -> str:
@@ -218,9 +226,7 @@ class NvmeStore:
         self._inflight = _inflight_for(self.run_dir)  # requests in flight on this disk, for the listener
         # Async requests run the synchronous code on these threads; the block I/O itself runs
         # on the backend's threads.
-        self._requests = ThreadPoolExecutor(
-            max_workers=max(2, thread_count), thread_name_prefix="zinf-nvme"
-        )
+        self._requests = _request_threads(thread_count)
         # Writes in flight at once: the request threads plus the caller's own thread.
         self._spares = SparePool(self.run_dir, spare_bytes, per_length=max(2, thread_count) + 1)
 
@@ -552,7 +558,7 @@ class NvmeStore:
         if (bs, qd, tc) == (self.block_size, self.queue_depth, self.thread_count):
             return
         backend = ThreadPoolBackend(bs, qd, tc)
-        requests = ThreadPoolExecutor(max_workers=max(2, tc), thread_name_prefix="zinf-nvme")
+        requests = _request_threads(tc)
         old_backend, old_requests = self._backend, self._requests
         self._backend, self._requests = backend, requests  # requests asked for from now on
         self.block_size, self.queue_depth, self.thread_count = bs, qd, tc
