@@ -240,6 +240,13 @@ class Run:
     pingpong: int = 0
     shards: int = 0
     last_report: object = None  # the engine's last MigrationReport already counted
+    # steady state (the measured steps): bytes each re-plan made in them migrated (0 when the
+    # plan was not adopted; a plan's deferred moves count with it), the homes sent back within a
+    # few plans, and every adopted plan's predicted step against its measured one once landed
+    replan_moved_bytes: list[int] = field(default_factory=list)
+    steady_pingpong: int = 0
+    plan_err: list[float] = field(default_factory=list)
+    plans_seen: int = 0  # the controller's plans_made already folded into replan_moved_bytes
 
 
 def dram_homes(engine) -> str:
@@ -263,7 +270,11 @@ def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller
             return Run("unavailable", "engine has no placement controller (engine.controller)")
         micro = 0
         prediction, versions_before = None, engine.plan_version
+        pingpong_before = verified_before = 0
         for step in range(warmup + steps):
+            if need_controller and step == warmup:  # the steady state starts here
+                c = engine.controller
+                run.plans_seen, pingpong_before, verified_before = c.plans_made, c.policy.pingpong_total, len(c.verified)
             if drift_at is not None and step == drift_at:
                 new = set_routing(engine.module, seed=engine.module.config.routing_seed + 1)
                 run.note = f"set_routing(seed={new.routing_seed}) before step {step}"
@@ -288,14 +299,17 @@ def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller
         run.dram_homes = dram_homes(engine)
         run.shards = len(engine.placement)
         if need_controller:
-            run.pingpong = engine.controller.policy.pingpong_total
+            c = engine.controller
+            run.pingpong = c.policy.pingpong_total
+            run.steady_pingpong = c.policy.pingpong_total - pingpong_before
+            run.plan_err = [abs(v["predicted_s"] - v["measured_s"]) / v["measured_s"] for v in c.verified[verified_before:]]
     return run
 
 
 def track_controller(engine, step_s: float, run: Run, prediction: float | None, version_before: int) -> None:
     """Fold one measured adaptive step into ``run``: the prediction error of the placement that
     was in force for the whole step (``prediction`` was made before the step; the step moved
-    nothing and made no plan), and the bytes a newly adopted plan moved."""
+    nothing and made no plan), the bytes a newly adopted plan moved, and the re-plans made."""
     c = engine.controller
     report = engine.last_migration
     moved = report.bytes_moved if report is not None and report is not run.last_report else 0
@@ -304,6 +318,11 @@ def track_controller(engine, step_s: float, run: Run, prediction: float | None, 
         run.plan_moved_bytes.append(moved)
     elif moved and run.plan_moved_bytes:
         run.plan_moved_bytes[-1] += moved  # the rest of a plan deferred by the per-step byte budget
+    if c.plans_made > run.plans_seen:  # re-planned after this step (its first moves are in it)
+        run.replan_moved_bytes += [0] * (c.plans_made - run.plans_seen)
+        run.plans_seen = c.plans_made
+    if moved and run.replan_moved_bytes:
+        run.replan_moved_bytes[-1] += moved  # the newest re-plan's moves, deferred ones included
     planned = c.last_plan_step == engine.global_steps
     if prediction is not None and not moved and not planned and not c.migrating:
         run.pred_err.append(abs(prediction - step_s) / step_s)
@@ -343,16 +362,30 @@ class Cell:
         e = [x for r in self.runs for x in r.pred_err]
         return statistics.median(e) if e else None
 
-    def churn(self, budget_bytes: int) -> float | None:
-        """Median bytes an adopted plan migrated in the measured steps, as a fraction of the DRAM budget."""
-        b = [x for r in self.runs for x in r.plan_moved_bytes]
-        return statistics.median(b) / budget_bytes if b else None
+    def churn(self, budget_bytes: int) -> tuple[int, float] | None:
+        """Steady state: (re-plans made in the measured steps, the most bytes one of them
+        migrated as a fraction of the DRAM budget; 0 for a plan not adopted)."""
+        b = [x for r in self.runs for x in r.replan_moved_bytes]
+        return (len(b), max(b) / budget_bytes) if b else None
 
     @property
     def pingpong(self) -> float | None:
-        """Homes sent back within a few plans, per shard (over all rounds)."""
+        """Homes sent back within a few plans, per shard, in the measured steps (all rounds)."""
+        shards = sum(r.shards for r in self.runs)
+        return sum(r.steady_pingpong for r in self.runs) / shards if shards else None
+
+    @property
+    def pingpong_whole_runs(self) -> float | None:
+        """Homes sent back within a few plans, per shard, over whole runs (the start included)."""
         shards = sum(r.shards for r in self.runs)
         return sum(r.pingpong for r in self.runs) / shards if shards else None
+
+    @property
+    def plan_err(self) -> tuple[int, float] | None:
+        """(adopted plans measured in the measured steps, median |predicted - measured| / measured
+        of their steps once landed): the model's error on a placement it had not measured."""
+        e = [x for r in self.runs for x in r.plan_err]
+        return (len(e), statistics.median(e)) if e else None
 
     @property
     def spread(self) -> str:
@@ -409,12 +442,13 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
         for p, cell in by_policy.items():
             note = f"max_in_cpu={cell.max_in_cpu:,}" if p == "max_in_cpu" and cell.max_in_cpu is not None else ""
             if p == "adaptive" and cell.status == "ok":
-                churn = cell.churn(int(b * w.state_bytes))
+                churn, plan_err = cell.churn(int(b * w.state_bytes)), cell.plan_err
                 note = "; ".join([
                     f"pred err {cell.pred_err:.1%}" if cell.pred_err is not None else "pred err -",
-                    f"{sum(len(r.plan_moved_bytes) for r in cell.runs)} plans adopted",
-                    f"churn {churn:.1%} of budget/plan" if churn is not None else "churn -",
-                    f"ping-pong {cell.pingpong:.1%}" if cell.pingpong is not None else "",
+                    f"{churn[0]} re-plans, {sum(len(r.plan_moved_bytes) for r in cell.runs)} adopted" if churn else "0 re-plans",
+                    f"churn max {churn[1]:.1%} of budget" if churn else "churn -",
+                    f"ping-pong {cell.pingpong:.1%} ({cell.pingpong_whole_runs:.1%} whole runs)",
+                    f"plan err {plan_err[1]:.1%} (n={plan_err[0]})" if plan_err else "plan err -",
                 ])
             if cell.status != "ok":
                 msg = "not available in this checkout" if cell.status == "unavailable" else cell.status
@@ -425,9 +459,10 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
             print(f"{b:>7.0%} {p:<11} {cell.step_s:8.3f} {cell.mean_s:8.3f} {cell.spread:>13} {ratio:>8} "
                   f"{cell.nvme_bytes / 1e6:13.1f} {cell.runs[-1].dram_homes:>11}  {note}")
     print("(step_s: median optimizer-step seconds; mean_s: their mean, re-plan and migration steps included; vs_best: step_s / best static policy's, < 1 = faster; "
-          "dram_homes: param+optim homes in DRAM / shards, at the end of the last run; adaptive: pred err = median |predicted - measured| / measured "
-          "of the measured steps whose placement had landed, plans adopted in the measured steps, churn = median bytes such a plan migrated / DRAM budget, "
-          "ping-pong = homes sent back within 3 plans / shards, whole runs)")
+          "dram_homes: param+optim homes in DRAM / shards, at the end of the last run; adaptive, over the measured steps (the steady state): "
+          "pred err = median |predicted - measured| / measured of the steps whose placement had landed, re-plans made and adopted, churn max = "
+          "the most bytes one re-plan migrated / DRAM budget, ping-pong = homes sent back within 3 plans / shards, plan err = median "
+          "|predicted - measured| / measured of adopted plans once landed)")
 
 
 def headline(name: str, cells: dict[float, dict[str, Cell]] | None, budget: float | None, target: float) -> str:

@@ -163,6 +163,9 @@ class AdaptiveController:
         self._verify: _Check | None = None  # the adopted plan whose landed placement is measured next
         self._failed: _Check | None = None  # the last plan reverted, until the accesses change
         self.plans_reverted = 0
+        # every adopted plan once measured after it landed: the step it was made after, its
+        # predicted step, the measured median, and the placement's before it (seconds)
+        self.verified: list[dict] = []
         self._warned: set[str] = set()
         # Measured cost of this engine's migrations (seconds per byte moved, all overheads in),
         # from the reports of the moves it applied; None until one moved bytes.
@@ -208,6 +211,8 @@ class AdaptiveController:
         if self._verify is not None and len(self._recent_s) >= s.drift_steps:
             check, self._verify = self._verify, None
             measured = statistics.median(self._recent_s)
+            self.verified.append({"step": check.step, "predicted_s": check.predicted_s, "measured_s": measured,
+                                  "before_s": check.before_s})
             if measured > check.before_s * (1 + s.revert_fraction):
                 return self._revert(engine, step, check, measured)
         if self._verify is not None:

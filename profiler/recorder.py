@@ -1,13 +1,14 @@
 """The profiler's recorder: engine events in, batched rows in the profile database out.
 
-``Recorder.emit`` runs on the training thread (and on I/O threads, for :class:`IoDone`) and does
-one thing: append the event to a bounded buffer (:class:`_EventBuffer`). A background thread takes
+``Recorder.emit`` runs on the training thread (the engine sends its I/O samples once a step, as
+an :class:`IoBatch`; an :class:`IoDone` may come from any thread) and does one thing: append the event to a bounded buffer (:class:`_EventBuffer`). A background thread takes
 the events off, aggregates them in memory per step (``steps``) and per window of ``window_steps`` steps
 (``shard_steps``: accesses by phase, bytes by tier, fetch/stall/optimizer seconds per shard), and
 writes them in batches (``executemany``, one transaction per batch) every ``flush_interval_s``.
 
 Overload: when ``queue_max`` events are waiting, detail events (:class:`ShardFetched`,
-:class:`ShardTransfer`, :class:`IoDone`, :class:`OptimizerShardDone`) are dropped at once; the few per-step events
+:class:`ShardTransfer`, :class:`IoDone`, :class:`IoBatch`, :class:`OptimizerShardDone`) are dropped at once
+(a batch counts as its requests); the few per-step events
 (:class:`RunStarted`, :class:`StepFinished`, :class:`ShardMigrated`, :class:`RunFinished`) may
 use a reserve above ``queue_max`` and wait at most ``essential_wait_s`` for room before they are
 dropped too. Every drop is counted per event kind, in :attr:`Recorder.dropped` and in the run's
@@ -64,7 +65,7 @@ log = logging.getLogger("zinf.profiler")
 
 __all__ = ["Recorder", "record_calibration", "DETAIL_EVENTS"]
 
-DETAIL_EVENTS = (ev.ShardFetched, ev.ShardTransfer, ev.IoDone, ev.OptimizerShardDone)
+DETAIL_EVENTS = (ev.ShardFetched, ev.ShardTransfer, ev.IoDone, ev.IoBatch, ev.OptimizerShardDone)
 _DETAIL = frozenset(DETAIL_EVENTS)
 # events that belong to an open run (dropped, and counted as "no_run:<kind>", when none is open)
 _NEEDS_RUN = _DETAIL | {ev.StepFinished, ev.ShardMigrated, ev.RunFinished}
@@ -314,19 +315,19 @@ class Recorder:
         """Queue ``event`` for the writer; never blocks for long, drops (and counts) on overload."""
         if self._closed or self._dead:
             if not self._closed:
-                self._drop(type(event).__name__)
+                self._drop_event(event)
             return
         q = self._q
         if type(event) in _DETAIL:
             if not self._shard_detail:
                 return
             if q.qsize() >= self.queue_max:
-                self._drop(type(event).__name__)
+                self._drop_event(event)
                 return
             try:
                 q.put_nowait(event, wake=False)  # aggregated at the step's end: no hurry
             except queue.Full:
-                self._drop(type(event).__name__)
+                self._drop_event(event)
             return
         try:
             q.put_nowait(event)
@@ -334,11 +335,18 @@ class Recorder:
             try:
                 q.put(event, timeout=self.essential_wait_s)
             except queue.Full:
-                self._drop(type(event).__name__)
+                self._drop_event(event)
                 return
         if type(event) is ev.RunStarted:
             with self._run_cond:
                 self._starts_queued += 1
+
+    def _drop_event(self, event: Any, prefix: str = "") -> None:
+        """Count ``event`` as dropped: an :class:`IoBatch` as the requests it carries."""
+        if type(event) is ev.IoBatch:
+            self._drop(f"{prefix}IoDone", len(event.requests))
+        else:
+            self._drop(f"{prefix}{type(event).__name__}")
 
     def _drop(self, kind: str, n: int = 1) -> None:
         with self._drop_lock:
@@ -561,7 +569,7 @@ class Recorder:
         kind = type(e)
         st = self._state
         if kind in _NEEDS_RUN and (st is None or st.finished):
-            self._drop(f"no_run:{kind.__name__}")
+            self._drop_event(e, "no_run:")
             return False
         if kind is ev.ShardFetched:
             acc = st.acc_of(e.shard)
@@ -577,27 +585,12 @@ class Recorder:
             acc[_FETCH_S] += e.fetch_s
             acc[_STALL_S] += e.stall_s
             return False
+        if kind is ev.IoBatch:
+            for item in e.items():
+                self._on_io(st, item)
+            return False
         if kind is ev.IoDone:
-            st.io_seen += 1
-            cap = self.io_samples_per_step
-            row = {
-                "op": e.op, "tier": e.tier, "what": e.what, "bytes": int(e.bytes), "seconds": float(e.seconds),
-                "o_direct": bool(e.o_direct), "block_size": e.block_size, "queue_depth": e.queue_depth,
-                "thread_count": e.thread_count, "concurrency": float(e.concurrency), "_shard": e.shard,
-            }
-            tot = st.io_totals.get((e.tier, e.op))
-            if tot is None:
-                tot = st.io_totals[(e.tier, e.op)] = [0, 0.0]
-            tot[0] += int(e.bytes)
-            tot[1] += float(e.seconds)
-            st.io_totals_changed = True
-            if len(st.io_buf) < cap:
-                st.io_buf.append(row)
-            else:
-                st.io_subsampled += 1
-                j = self._rng.randrange(st.io_seen)
-                if j < cap:
-                    st.io_buf[j] = row
+            self._on_io(st, e)
             return False
         if kind is ev.ShardTransfer:
             acc = st.acc_of(e.shard)
@@ -647,6 +640,30 @@ class Recorder:
             return self._on_command(st, e)
         self._drop(f"unknown:{kind.__name__}")
         return False
+
+    def _on_io(self, st: _RunState, e: ev.IoDone) -> None:
+        """One I/O request: into the run's totals and, within ``io_samples_per_step`` a step
+        (reservoir sampling), the step's ``io_samples`` rows."""
+        st.io_seen += 1
+        cap = self.io_samples_per_step
+        row = {
+            "op": e.op, "tier": e.tier, "what": e.what, "bytes": int(e.bytes), "seconds": float(e.seconds),
+            "o_direct": bool(e.o_direct), "block_size": e.block_size, "queue_depth": e.queue_depth,
+            "thread_count": e.thread_count, "concurrency": float(e.concurrency), "_shard": e.shard,
+        }
+        tot = st.io_totals.get((e.tier, e.op))
+        if tot is None:
+            tot = st.io_totals[(e.tier, e.op)] = [0, 0.0]
+        tot[0] += int(e.bytes)
+        tot[1] += float(e.seconds)
+        st.io_totals_changed = True
+        if len(st.io_buf) < cap:
+            st.io_buf.append(row)
+        else:
+            st.io_subsampled += 1
+            j = self._rng.randrange(st.io_seen)
+            if j < cap:
+                st.io_buf[j] = row
 
     def _add(self, table: str, st: _RunState | None, row: dict, shard: str | None = None) -> None:
         self._rows[table].append((st, row, shard))

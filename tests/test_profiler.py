@@ -391,6 +391,31 @@ def test_io_samples_subsampled_beyond_cap(tmp_path):
     assert info["bandwidths"]["nvme_read_s"] == pytest.approx(50 * 0.001)
 
 
+def test_an_io_batch_is_recorded_as_its_requests(tmp_path):
+    """The engine sends a step's I/O as one IoBatch: the same rows, totals and subsampling as
+    one IoDone per request."""
+    rows_ = tuple(("read", "param", "s2", 1000 + i, 0.001, 1.0) for i in range(30))
+    rows_ += tuple(("write", "master", "s1", 2000, 0.002, 2.0) for _ in range(20))
+    batch = ev.IoBatch(rows_, "nvme", True, 4096, 1, 1)
+    assert [e.bytes for e in batch.items()][:2] == [1000, 1001] and batch.items()[-1].concurrency == 2.0
+    done = [run_started(), ev.StepFinished(1, 1, 0.1, 0, 0, 0, 0, 0, 1.0), ev.RunFinished("finished", 1, time.time())]
+    url_batch, url_single = db_url(tmp_path / "b"), db_url(tmp_path / "s")
+    (tmp_path / "b").mkdir(), (tmp_path / "s").mkdir()
+    record(url_batch, done[:1] + [batch] + done[1:], io_samples_per_step=10)
+    record(url_single, done[:1] + batch.items() + done[1:], io_samples_per_step=10)
+    for url in (url_batch, url_single):
+        assert count(url, "io_samples") == 10
+        info = queries.run_info(url, 1)
+        assert info["dropped_events"] == {"IoDone:subsampled": 40}
+        assert info["bandwidths"]["nvme_read_bytes"] == sum(1000 + i for i in range(30))
+        assert info["bandwidths"]["nvme_write_bytes"] == 20 * 2000
+    # a batch that cannot be recorded counts as the requests it carries
+    r = Recorder(db_url(tmp_path), flush_interval_s=0.05)
+    r.emit(batch)  # no run open
+    r.close()
+    assert r.dropped == {"no_run:IoDone": 50}
+
+
 def test_shard_transfers_and_given_bandwidths(tmp_path):
     url = db_url(tmp_path)
     r = Recorder(url, flush_interval_s=0.05)

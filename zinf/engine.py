@@ -43,6 +43,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -202,6 +203,7 @@ class Engine:
 
         # 3. open NVMe stores, move every shard to its homes, free the model's own copies
         self._run_started = False  # set-up I/O (the first write of every home) is not a step's
+        self._io_log: deque[tuple] = deque()  # requests finished since the last IoBatch (see _on_io)
         try:
             self._open_stores()
             self._home_all()
@@ -777,14 +779,22 @@ class Engine:
         return group
 
     def _on_io(self, op: str, key: str, nbytes: int, seconds: float, concurrency: float = 1.0) -> None:
-        if not self._run_started:
-            return
-        index, _, what = key.partition(".")
-        block_size, queue_depth, thread_count = self._aio_in_force()  # the settings it ran with
-        self.recorder.emit(
-            ev.IoDone(op, "nvme", what, self.shards[int(index)].name, nbytes, seconds, self.o_direct,
-                      block_size, queue_depth, thread_count, concurrency)
-        )
+        """The stores' listener, on whatever thread finished the request: one tuple appended
+        (deque appends and pops are atomic), sent to the recorder in a batch by :meth:`_emit_io`."""
+        if self._run_started:
+            self._io_log.append((op, key, nbytes, seconds, concurrency))
+
+    def _emit_io(self) -> None:
+        """Send the requests finished since the last batch, with the I/O settings they ran with
+        (called at the end of every step, before the settings change, and at the end)."""
+        log_ = self._io_log
+        rows = []
+        for _ in range(len(log_)):  # what lands meanwhile stays for the next batch
+            op, key, nbytes, seconds, concurrency = log_.popleft()
+            index, _, what = key.partition(".")
+            rows.append((op, what, self.shards[int(index)].name, nbytes, seconds, concurrency))
+        if rows:
+            self.recorder.emit(ev.IoBatch(tuple(rows), "nvme", self.o_direct, *self._aio_in_force()))
 
     # ------------------------------------------------------------------ public API
     def __call__(self, *args, **kwargs):
@@ -975,6 +985,7 @@ class Engine:
         wall = timer.stop()
         losses, self._losses = self._losses, []
         if self.recorder.enabled:
+            self._emit_io()  # the step's requests come before its StepFinished
             self.recorder.emit(
                 ev.StepFinished(
                     step=self.global_steps,
@@ -1100,6 +1111,8 @@ class Engine:
         """Drain, then put ``aio`` (None: the config's) on every store and re-size the overlap
         buffers for the window ``prefetch_want`` (None: the config's)."""
         self._drain()  # nothing may be in flight while the backends change
+        if self.recorder.enabled:
+            self._emit_io()  # what ran with the old settings is reported with them
         aio_cfg = self.config.aio
         block_size, queue_depth, thread_count = aio or (aio_cfg.block_size, aio_cfg.queue_depth, aio_cfg.thread_count)
         for store in {id(s): s for s in self._stores.values()}.values():
@@ -1557,6 +1570,7 @@ class Engine:
             h.remove()
         self._hooks = []
         if self.recorder.enabled:
+            self._emit_io()
             self.recorder.emit(ev.RunFinished(status, self.global_steps, time.time()))
         self.recorder.close()
         self._close_stores()
