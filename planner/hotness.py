@@ -278,10 +278,9 @@ def stall_cost(workload: Workload, cost_model, *, prefetch_bytes: int | None = N
 
     from planner.workload import home_dram_bytes
 
-    nv = np.full(n, "nvme", dtype=object)
-    cpu = np.full(n, "cpu", dtype=object)
-    param_bytes_dram = home_dram_bytes(wl, cpu, nv).astype(np.float64)
-    optim_bytes_dram = home_dram_bytes(wl, nv, cpu).astype(np.float64)
+    # each home alone in DRAM, the other on NVMe (tiers broadcast to every shard)
+    param_bytes_dram = home_dram_bytes(wl, "cpu", "nvme").astype(np.float64)
+    optim_bytes_dram = home_dram_bytes(wl, "nvme", "cpu").astype(np.float64)
     movable_o = trainable & df["pin_optim"].isna().to_numpy()
     out = pd.DataFrame({
         "shard": df["shard"],

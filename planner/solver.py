@@ -34,7 +34,7 @@ takes that many homes per round of the density pass: the best fresh candidates, 
 the same placement (interactions among them ignored).
 
 **Fast path** (more than ``resimulate_max_homes`` movable homes). One simulation costs time in
-proportion to the shards, so a greedy that simulates every home is quadratic (~20 s on 1000
+proportion to the shards, so a greedy that simulates every home is quadratic (~10 s on 1000
 shards). Above the threshold the greedy sorts the homes once by linear stall saved per byte
 (:func:`planner.hotness.stall_cost`), fills the room in that order (skipping what does not fit),
 and spends at most ``max_evaluations`` simulations (default: as many as ~20 000 shard-simulations,
@@ -58,7 +58,9 @@ greedy re-simulates instead of trusting the linear scores.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import heapq
 import math
 import time
@@ -84,9 +86,11 @@ _EXCHANGE_TRIES = 4
 """Exchange search: the best estimated exchanges simulated per round before it gives up."""
 _COVER_STARTS = 12
 """Exchange search: first evictions tried for each home it makes room for (see ``_covers``)."""
+_STR = pd.Series(["home"]).dtype
+"""The dtype pandas gives text (what a DataFrame makes of a column of Python strings)."""
 _FAST_SIM_BUDGET_SHARDS = 20_000
-"""Fast path: default simulations = this / shards (at least 1, at most 16); ~0.1-0.4 s of simulator
-time on the dev VM whatever the size."""
+"""Fast path: default simulations = this / shards (at least 1, at most 16); ~0.05 s of simulator
+time on the dev VM up to 10^4 shards, and from 10^5 the plan's own simulation only (~0.4 s)."""
 
 
 class PlanError(ZinfError):
@@ -143,11 +147,27 @@ class Plan:
         return {(n, s): int(b) for n, s, b in zip(self.scores["shard"], self.scores["state"], self.scores["bytes"])}
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector (during a solve). A solve makes no reference cycles, but
+    10^5 small dicts (the placement): every 700 new ones the collector would walk the growing
+    placement again, and the simulator's lists of 10^5 numbers (~35 ms for 10^5 shards, for
+    nothing). What the solve leaves is walked once, at the next collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def homes_of(placement: Mapping[str, Mapping[str, str]]) -> dict[tuple[str, str], str]:
     """The engine's {shard: {"param": tier, "optim": tier}} as {(shard, state): tier}."""
     return {(n, s): t[s] for n, t in placement.items() for s in STATES}
 
 
+@_gc_paused()
 def solve(workload: Workload, cost_model, dram_budget_bytes: int, *, method: str = "greedy",
           prefetch_bytes: int | None = None, fixed: Mapping | None = None, reserved_bytes: int | None = None,
           max_evaluations: int | None = None, greedy_batch: int | None = None, milp_time_limit_s: float = 30.0,
@@ -192,7 +212,7 @@ def solve(workload: Workload, cost_model, dram_budget_bytes: int, *, method: str
     sim_saved: dict[tuple[int, str], float] = {}
     if method == "milp":
         tp, to, objective, sim_saved, evals, note = _milp(prob, lin, room, milp_time_limit_s, milp_rel_gap)
-    elif len(prob.homes) > resimulate_max_homes:
+    elif prob.n_homes > resimulate_max_homes:
         tp, to, prediction, evals, note = _fast_greedy(prob, lin, room, max_evaluations)
     else:
         tp, to, prediction, sim_saved, evals, note = _greedy(prob, lin, room, max_evaluations, greedy_batch, exchange)
@@ -222,8 +242,8 @@ class _Problem:
         self.wl, self.sim = wl, sim
         self.simulate_s = 0.0  # wall seconds spent in simulations (see Plan.timings)
         df = wl.shards
-        self.names = df["shard"].tolist()
-        self.n = n = len(self.names)
+        self.names = sim.names
+        self.n = len(self.names)
         trainable = df["trainable"].to_numpy(bool)
         self.trainable = trainable.tolist()
         tp, to, fixed_p, fixed_o = _start_tiers(wl, fixed)
@@ -231,21 +251,27 @@ class _Problem:
         movable_o = (trainable & df["pin_optim"].isna().to_numpy() & ~fixed_o
                      & np.isin(np.array(to, dtype=object), ("cpu", "nvme")))
         self.movable = {"param": movable_p.tolist(), "optim": movable_o.tolist()}
+        self._movable_p, self._movable_o = movable_p, movable_o
         # movable homes start on NVMe (the greedy's starting point; the MILP chooses freely)
-        self.tp0 = ["nvme" if m else t for m, t in zip(self.movable["param"], tp)]
-        self.to0 = ["nvme" if m else t for m, t in zip(self.movable["optim"], to)]
-        # the candidates of the greedy: every movable home, params first, by index `c`
-        self.homes: list[tuple[int, str]] = ([(int(i), "param") for i in np.flatnonzero(movable_p)]
-                                             + [(int(i), "optim") for i in np.flatnonzero(movable_o)])
-        self.home_shard = np.array([i for i, _ in self.homes], np.int64)
-        self.home_is_optim = np.array([s == "optim" for _, s in self.homes], bool)
+        self.tp0 = np.where(movable_p, "nvme", np.array(tp, dtype=object)).tolist()
+        self.to0 = np.where(movable_o, "nvme", np.array(to, dtype=object)).tolist()
+        # the candidates of the greedy: every movable home, params first, by index `c` (as
+        # arrays; the list of (shard, state) is :attr:`homes`)
+        param_homes, optim_homes = np.flatnonzero(movable_p), np.flatnonzero(movable_o)
+        self.home_shard = np.concatenate([param_homes, optim_homes]).astype(np.int64)
+        self.home_is_optim = np.arange(len(self.home_shard)) >= len(param_homes)
+        self.n_homes = len(self.home_shard)
         self._P = df["param_bytes"].to_numpy(np.int64)
         self._OG = (df["optim_bytes"] + df["grad_bytes"]).to_numpy(np.int64)
         self._trainable = trainable
-        self.P, self.OG = self._P.tolist(), self._OG.tolist()
         self.dram = wl.dram_tiers
         self.alias = bool(wl.aliases_master)
         self.cpu_device = wl.device == "cpu"
+
+    @functools.cached_property
+    def homes(self) -> list[tuple[int, str]]:
+        """The candidates as ``(shard, state)`` (built on first use: the fast path does without)."""
+        return [(i, "optim" if o else "param") for i, o in zip(self.home_shard.tolist(), self.home_is_optim.tolist())]
 
     @functools.cached_property
     def index(self) -> dict[tuple[int, str], int]:
@@ -253,11 +279,24 @@ class _Problem:
         return {h: c for c, h in enumerate(self.homes)}
 
     # ---- bytes
+    @functools.cached_property
+    def P(self) -> list[int]:
+        return self._P.tolist()
+
+    @functools.cached_property
+    def OG(self) -> list[int]:
+        return self._OG.tolist()
+
     def shard_bytes(self, i: int, ptier: str, otier: str) -> int:
         """DRAM bytes of shard i's homes at these tiers (``home_dram_bytes`` for one shard)."""
         p_in, o_in = ptier in self.dram, otier in self.dram
         aliased = self.alias and p_in and o_in and self.trainable[i]
         return (self.P[i] if p_in and not aliased else 0) + (self.OG[i] if o_in and self.trainable[i] else 0)
+
+    @functools.cached_property
+    def in_dram0(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`in_dram` of the starting tiers (param, optim); copy before changing them."""
+        return self.in_dram(self.tp0), self.in_dram(self.to0)
 
     def in_dram(self, tiers) -> np.ndarray:
         """Per shard: is this tier list's home in a DRAM tier (elementwise ``==``: 5 ms on 10^5)."""
@@ -281,7 +320,10 @@ class _Problem:
 
     def added_bytes(self, tp, to) -> np.ndarray:
         """Per candidate home: the DRAM bytes moving it (alone) to DRAM adds to ``(tp, to)``."""
-        p_in, o_in = self.in_dram(tp), self.in_dram(to)
+        return self.added_bytes_at(self.in_dram(tp), self.in_dram(to))
+
+    def added_bytes_at(self, p_in: np.ndarray, o_in: np.ndarray) -> np.ndarray:
+        """:meth:`added_bytes` with the homes in DRAM given per shard (see :meth:`bytes_of`)."""
         base = self.bytes_of(p_in, o_in)
         everywhere = np.ones(self.n, bool)
         add_param, add_optim = self.bytes_of(everywhere, o_in) - base, self.bytes_of(p_in, everywhere) - base
@@ -318,11 +360,21 @@ class _Problem:
     def partner(self, i: int, state: str) -> tuple[int, str]:
         return (i, "optim" if state == "param" else "param")
 
-    def codes(self, tp, to) -> tuple[list[int], list[int]]:
-        """Tiers to the simulator's codes."""
-        pc = [P_NVME if t == "nvme" else P_RESIDENT if (t == "gpu" or self.cpu_device) else P_COPY for t in tp]
-        oc = [O_NVME if t == "nvme" else O_NONE if t == "none" else O_DRAM for t in to]
+    def codes(self, tp, to) -> tuple[np.ndarray, np.ndarray]:
+        """Tiers to the simulator's codes (elementwise on arrays: 10^5 shards)."""
+        tp, to = np.asarray(tp, dtype=object), np.asarray(to, dtype=object)
+        resident = (tp == "gpu") | self.cpu_device
+        pc = np.where(tp == "nvme", P_NVME, np.where(resident, P_RESIDENT, P_COPY))
+        oc = np.where(to == "nvme", O_NVME, np.where(to == "none", O_NONE, O_DRAM))
         return pc, oc
+
+    def moved_many(self, tp, to, cands: np.ndarray, tier: str = "cpu"):
+        """Copies of the tier lists with the homes ``cands`` (candidate indices) at ``tier``."""
+        tp2, to2 = np.array(tp, dtype=object), np.array(to, dtype=object)
+        shard, is_optim = self.home_shard[cands], self.home_is_optim[cands]
+        tp2[shard[~is_optim]] = tier
+        to2[shard[is_optim]] = tier
+        return tp2.tolist(), to2.tolist()
 
     def run(self, tp, to) -> Prediction:
         t0 = time.perf_counter()
@@ -333,32 +385,36 @@ class _Problem:
     def placement(self, tp, to) -> dict[str, dict[str, str]]:
         return {n: {"param": p, "optim": o} for n, p, o in zip(self.names, tp, to)}
 
+    def _names_column(self):
+        col = self.wl.shards["shard"]
+        return col.array if col.dtype == _STR else pd.array(self.names, dtype=_STR)
+
     def scores(self, lin: pd.DataFrame, tp, to, sim_saved: Mapping[tuple[int, str], float]) -> pd.DataFrame:
-        """One row per home (shard order, param before optim), built column-wise: a dict per row
-        cost ~0.5 s on 10^5 shards."""
-        n = self.n
-        trainable = np.asarray(self.trainable, bool)
-        shard = np.concatenate([np.arange(n), np.flatnonzero(trainable)])
-        is_optim = np.concatenate([np.zeros(n, bool), np.ones(int(trainable.sum()), bool)])
-        order = np.lexsort((is_optim, shard))  # by shard, then param before optim
-        shard, is_optim = shard[order], is_optim[order]
-        nbytes = np.where(is_optim, lin["optim_dram_bytes"].to_numpy(np.int64)[shard],
-                          lin["param_dram_bytes"].to_numpy(np.int64)[shard])
-        saved = np.where(is_optim, lin["optim_stall_s"].to_numpy(np.float64)[shard],
-                         lin["param_stall_s"].to_numpy(np.float64)[shard])
-        tier = np.where(is_optim, np.array(to, dtype=object)[shard], np.array(tp, dtype=object)[shard])
-        movable = np.where(is_optim, np.asarray(self.movable["optim"], bool)[shard],
-                           np.asarray(self.movable["param"], bool)[shard])
+        """One row per home (shard order, param before optim), built column-wise (a dict per row
+        cost ~0.5 s on 10^5 shards), the text columns as pandas strings already (inferring them
+        from Python objects cost ~30 ms)."""
+        rows = 1 + self._trainable  # per shard: its param home, and its optimizer home when trainable
+        shard = np.repeat(np.arange(self.n), rows)
+        first = np.cumsum(rows) - rows  # each shard's param row
+        is_optim = np.zeros(len(shard), bool)
+        is_optim[first[self._trainable] + 1] = True
+
+        def per_row(param: np.ndarray, optim: np.ndarray) -> np.ndarray:
+            return np.where(is_optim, optim[shard], param[shard])
+
+        nbytes = per_row(lin["param_dram_bytes"].to_numpy(np.int64), lin["optim_dram_bytes"].to_numpy(np.int64))
+        saved = per_row(lin["param_stall_s"].to_numpy(np.float64), lin["optim_stall_s"].to_numpy(np.float64))
+        tp, to = np.asarray(tp, dtype=object), np.asarray(to, dtype=object)
         sim = np.full(len(shard), math.nan)
-        if sim_saved:
-            row = {(int(i), "optim" if o else "param"): r for r, (i, o) in enumerate(zip(shard, is_optim))}
-            for home, v in sim_saved.items():
-                sim[row[home]] = v
+        for (i, s), v in sim_saved.items():
+            sim[first[i] + (s == "optim")] = v
         return pd.DataFrame({
-            "shard": np.array(self.names, dtype=object)[shard], "state": np.where(is_optim, "optim", "param").astype(object),
-            "tier": tier, "movable": movable, "bytes": nbytes, "saved_s": saved,
+            "shard": self._names_column().take(shard),
+            "state": pd.array(["param", "optim"], dtype=_STR).take(is_optim.astype(np.intp)),
+            "tier": pd.array(per_row(tp, to), dtype=_STR),
+            "movable": per_row(self._movable_p, self._movable_o), "bytes": nbytes, "saved_s": saved,
             "saved_s_per_byte": np.divide(saved, nbytes, out=np.zeros(len(shard)), where=nbytes > 0),
-            "sim_saved_s": sim, "chosen": np.isin(tier, self.dram),
+            "sim_saved_s": sim, "chosen": per_row(self.in_dram(tp), self.in_dram(to)),
         })
 
 
@@ -712,7 +768,7 @@ def _fast_greedy(prob: _Problem, lin: pd.DataFrame, room: int, max_evaluations: 
     # delays prefetches, this predicts the gain better than the linear stall; neither always does
     disk = per_home("param_disk_s", "optim_disk_s") + np.where(
         is_optim, 0.0, prob.wl.fetch_overhead_s * lin["param_reads_per_step"].to_numpy(np.float64)[shard])
-    per_byte = np.maximum(prob.added_bytes(prob.tp0, prob.to0), 1)  # bytes from the start
+    per_byte = np.maximum(prob.added_bytes_at(*prob.in_dram0), 1)  # bytes from the start
 
     def order_by(first: np.ndarray, then: np.ndarray) -> np.ndarray:
         """Homes with ``first`` > 0 by ``first`` per byte, then those with only ``then`` > 0 by it."""
@@ -720,12 +776,13 @@ def _fast_greedy(prob: _Problem, lin: pd.DataFrame, room: int, max_evaluations: 
         return np.concatenate([a[np.argsort(-first[a] / per_byte[a], kind="stable")],
                                b[np.argsort(-then[b] / per_byte[b], kind="stable")]])
 
-    orders = {"linear stall per byte": order_by(stall, disk), "disk seconds per byte": order_by(np.maximum(stall, disk), stall)}
+    orders = {"linear stall per byte": lambda: order_by(stall, disk),
+              "disk seconds per byte": lambda: order_by(np.maximum(stall, disk), stall)}
     budget = max_evaluations if max_evaluations is not None else min(16, _FAST_SIM_BUDGET_SHARDS // max(1, prob.n))
     budget = max(1, int(budget))  # the plan's own prediction at least
     if budget < 2:  # no simulation to spare for choosing: the linear model's order (the MILP's)
         orders = dict(list(orders.items())[:1])
-    fills = {name: _fill(prob, order, room) for name, order in orders.items()}
+    fills = {name: _fill(prob, order(), room) for name, order in orders.items()}
     sims = {name: prob.run(*fills[name][:2]) for name in fills}
     name = min(sims, key=lambda k: sims[k].step_s)
     tp, to, taken = fills[name]
@@ -735,10 +792,7 @@ def _fast_greedy(prob: _Problem, lin: pd.DataFrame, room: int, max_evaluations: 
         """The first ``cut`` homes of the fill in DRAM."""
         if cut == len(taken):
             return tp, to
-        tp2, to2 = list(prob.tp0), list(prob.to0)
-        for c in taken[:cut]:
-            prob.put(tp2, to2, *prob.homes[c])
-        return tp2, to2
+        return prob.moved_many(prob.tp0, prob.to0, taken[:cut])
 
     seen: dict[int, Prediction] = {len(taken): sims[name]}
 
@@ -756,7 +810,7 @@ def _fast_greedy(prob: _Problem, lin: pd.DataFrame, room: int, max_evaluations: 
             lo = a
     best = min(seen, key=lambda cut: (seen[cut].step_s, -cut))
     evaluations = len(sims) + len(seen) - 1
-    note = (f"fast path ({len(prob.homes)} movable homes > resimulate_max_homes): homes by {name}, "
+    note = (f"fast path ({prob.n_homes} movable homes > resimulate_max_homes): homes by {name}, "
             f"{best} of {len(taken)} filled kept, {evaluations} simulation(s)")
     return *placement_at(best), seen[best], evaluations, note
 
@@ -766,15 +820,17 @@ def _fill(prob: _Problem, order: np.ndarray, room: int):
     aliasing: first by the bytes from the start, then - a pair of homes in DRAM costs one copy, so
     some room is left - by the bytes each home adds to the placement reached."""
     shard, is_optim = prob.home_shard, prob.home_is_optim
-    tp, to = list(prob.tp0), list(prob.to0)
-    taken: list[int] = []
+    p_in, o_in = (m.copy() for m in prob.in_dram0)  # homes in DRAM, per shard
+    taken = []
     for _ in range(2 if prob.alias else 1):
-        inside = np.where(is_optim, prob.in_dram(to)[shard], prob.in_dram(tp)[shard])
-        new = _fill_in_order(order[~inside[order]], prob.added_bytes(tp, to), room - prob.dram_bytes(tp, to)).tolist()
-        for c in new:
-            prob.put(tp, to, *prob.homes[c])
-        taken += new
-    return tp, to, taken
+        inside = np.where(is_optim, o_in[shard], p_in[shard])
+        free = room - int(prob.bytes_of(p_in, o_in).sum())
+        new = _fill_in_order(order[~inside[order]], prob.added_bytes_at(p_in, o_in), free)
+        p_in[shard[new[~is_optim[new]]]] = True  # moved to "cpu", a DRAM tier
+        o_in[shard[new[is_optim[new]]]] = True
+        taken.append(new)
+    taken = np.concatenate(taken)
+    return *prob.moved_many(prob.tp0, prob.to0, taken), taken
 
 
 def _fill_in_order(order: np.ndarray, nbytes: np.ndarray, free: int) -> np.ndarray:

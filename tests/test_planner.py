@@ -272,6 +272,27 @@ def test_the_prefetch_window_matters():
     assert tiny.step_s == pytest.approx(none.step_s)
 
 
+def test_a_kept_params_reissued_backward_read_is_wasted():
+    """The prefetcher as zinf/prefetch.py runs it, on a trace it can hold whole (three one-param
+    shards on NVMe: forward s0 s1 s2, backward s2 s1 s0): the backward reads wait, deferred, while
+    the forward reads of the same shards are in flight; each is issued while its shard's forward
+    runs (the issuer does not skip a shard in use), then the param is kept for its backward use,
+    so the read is dropped unread - at the next entry, or at the end of the pass. Every pass does
+    the same. A prefetcher that skips the shard in use reads each param once."""
+    for k in (1, 2):  # micro-batches; every pass uses every shard
+        rows = [{"numel": n, "fwd_accesses_per_step": k, "bwd_accesses_per_step": k} for n in (1 << 16, 1 << 17, 1 << 18)]
+        wl = Workload.from_rows(rows, compute_fwd_s=0.01, update_s_per_elem=0.0, prefetch_bytes=1 << 30,
+                                reuse_distance_bytes=1 << 30, micro_batches=k, disk_servers=2)
+        params = float(wl.shards["param_bytes"].sum())
+        placement = {n: {"param": "nvme", "optim": "cpu"} for n in wl.names}
+        reissued = simulate(wl, placement, CM)
+        assert reissued.wasted_read_bytes == pytest.approx(k * params)
+        assert reissued.nvme_read_bytes == pytest.approx(2 * k * params)
+        skipped = simulate(wl, placement, CM, reissue_in_use=False)
+        assert skipped.wasted_read_bytes == 0 and skipped.nvme_read_bytes == pytest.approx(k * params)
+        assert skipped.step_s <= reissued.step_s
+
+
 def test_in_the_linear_regime_the_simulator_equals_the_stall_cost():
     wl = random_workload(3, **LINEAR)
     lin = stall_cost(wl, CM)
