@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import platform
 import shutil
@@ -545,6 +546,7 @@ def main() -> None:
     ap.add_argument("--drift-at", type=int, help="moe: extra adaptive runs with set_routing(...) before this step")
     ap.add_argument("--quick", action="store_true", help="tiny models, for a smoke run")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--log-plans", action="store_true", help="print the adaptive planner's log (every plan and why)")
     args = ap.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -557,6 +559,12 @@ def main() -> None:
     if args.drift_at is not None and args.drift_at < 1:
         raise SystemExit("--drift-at must be >= 1 (a step with steps before it)")
     torch.set_num_threads(os.cpu_count() or 1)
+    if args.log_plans:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("    %(message)s"))
+        planner_log = logging.getLogger("zinf.planner")
+        planner_log.setLevel(logging.INFO)
+        planner_log.addHandler(handler)
     names = ["moe", "gpt"] if args.workload == "both" else [args.workload]
 
     fs = filesystem_of(args.path if args.path.exists() else args.path.parent)

@@ -75,12 +75,18 @@ class ControllerSettings:
     drift_steps: int = 3
     """Steps whose median is compared with the prediction (after a plan has fully landed)."""
 
+    verify_steps: int = 5
+    """Steps of a landed plan whose median is compared with the placement it replaced, for the
+    revert test (at most ``replan_every``, at least ``drift_steps``; more than ``drift_steps``:
+    with a few tokens a step, steps vary by tens of per cent, and a revert on noise costs two
+    migrations and blocks the plan)."""
+
     horizon_plans: int = 4
     """Re-plan periods over which a plan's gain must pay back its migrations."""
 
     revert_fraction: float | None = 0.05
     """A plan whose landed placement measures slower than the one it replaced by more than this
-    fraction (median of ``drift_steps`` steps against the plan's own window) is reverted (None:
+    fraction (median of ``verify_steps`` steps against the plan's own window) is reverted (None:
     never; ``zinf.placement.revert_fraction``)."""
 
     retry_rate_change: float = 0.25
@@ -159,7 +165,7 @@ class AdaptiveController:
         # the first step run with the current placement complete (the run's first step at the start)
         self._settled_step = 1
         self._last_plan_step = 0
-        self._recent_s: deque[float] = deque(maxlen=max(1, self.settings.drift_steps))
+        self._recent_s: deque[float] = deque(maxlen=max(1, self.settings.drift_steps, self.settings.verify_steps))
         self._verify: _Check | None = None  # the adopted plan whose landed placement is measured next
         self._failed: _Check | None = None  # the last plan reverted, until the accesses change
         self.plans_reverted = 0
@@ -178,6 +184,12 @@ class AdaptiveController:
         """The predicted step time of the placement in force (of the adopted plan once it has
         landed; of the current placement when the last plan was not adopted); None before the first plan."""
         return self._predicted_step_s
+
+    @property
+    def _verify_steps(self) -> int:
+        """Steps a landed plan is measured over: ``verify_steps``, at most a re-plan period."""
+        s = self.settings
+        return max(1, s.drift_steps, min(s.verify_steps, s.replan_every))
 
     @property
     def migrating(self) -> bool:
@@ -208,7 +220,7 @@ class AdaptiveController:
         s = self.settings
         if self._verify is not None and s.revert_fraction is None:
             self._verify = None
-        if self._verify is not None and len(self._recent_s) >= s.drift_steps:
+        if self._verify is not None and len(self._recent_s) >= self._verify_steps:
             check, self._verify = self._verify, None
             measured = statistics.median(self._recent_s)
             self.verified.append({"step": check.step, "predicted_s": check.predicted_s, "measured_s": measured,
@@ -255,7 +267,9 @@ class AdaptiveController:
                                          rate="short" if drifted else "long",
                                          long_halflife_steps=float(s.rate_halflife_periods * s.replan_every),
                                          short_halflife_steps=max(1.0, s.replan_every / 4))
-        cost = CostModel.from_db(self.url, run_id)
+        # the disk as it behaves lately (the samples of the rate window; a long run's whole
+        # history would make every plan slower to fit than the last)
+        cost = CostModel.from_db(self.url, run_id, first_step=max(1, step - s.rate_window_periods * s.replan_every))
         overlap = engine.overlap
         # The buffers the engine really has (under the budget it switches off what does not
         # fit, which the config does not say): simulating the measured placement with the
@@ -379,7 +393,7 @@ class AdaptiveController:
             "write-behind and read-ahead only": (0, False, True, True),
             "no overlap buffers": (0, False, False, False),
         }
-        best: tuple[Plan, Workload, int, Workload] | None = None
+        best: tuple[Plan, Workload, int, Workload, int] | None = None
         tried: set[tuple] = set()
         for label, (prefetch, eager, keep_write, keep_read) in options.items():
             key = (prefetch, eager, keep_write, keep_read)
@@ -395,10 +409,10 @@ class AdaptiveController:
             plan.note = f"{plan.note}; buffers: {label}".lstrip("; ")
             granted = self._as_granted(engine, workload, plan, cost)
             if best is None or plan.prediction.step_s < best[0].prediction.step_s:
-                best = (plan, wl, reserved, granted)
+                best = (plan, wl, reserved, granted, buffers)
         if best is None:
             raise _BudgetFull("no split of zinf.dram_budget between homes and buffers leaves room for another plan")
-        plan, wl, reserved, granted = best
+        plan, wl, reserved, granted, buffers = best
         # the greedy re-simulates every home on small models; above PLAN_RESIMULATE_HOMES it takes
         # the solver's fast path (a bounded number of simulations): planning runs between steps
         greedy = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=wl.prefetch_bytes,
@@ -407,7 +421,37 @@ class AdaptiveController:
         greedy_granted = self._as_granted(engine, workload, greedy, cost)
         if greedy.prediction.step_s < plan.prediction.step_s:
             plan, granted = greedy, greedy_granted
+        # The plans above ignore what moving costs. Solved again with every home's move charged
+        # (its migration seconds spread over the horizon), the MILP keeps homes of nearly equal
+        # worth where they are - the accesses of a few tokens a step reorder them from period to
+        # period - and moves only what pays back. Whichever plan is cheaper counting its moves wins.
+        per_byte = self._move_s_per_byte(cost) / max(1, self.settings.replan_every * self.settings.horizon_plans)
+        current = homes_of(engine.placement)
+        try:
+            sticky = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=wl.prefetch_bytes,
+                           method="milp", milp_rel_gap=PLAN_MILP_GAP, incumbent=current, switch_s_per_byte=per_byte)
+        except PlanError:
+            sticky = None
+        if sticky is not None and engine.dram_need_of(sticky.placement).total_bytes + buffers <= self.dram_budget_bytes:
+            sticky.note = f"{plan.note}; moves charged".lstrip("; ")
+            sticky_granted = self._as_granted(engine, workload, sticky, cost)
+            shards = workload.shards.set_index("shard")
+
+            def with_moves_s(p: Plan) -> float:
+                moved = sum(int(shards.at[m.shard, f"{m.state}_bytes"]) for m in diff_moves(current, p.homes()))
+                return p.prediction.step_s + per_byte * moved
+
+            if with_moves_s(sticky) < with_moves_s(plan):
+                plan, granted = sticky, sticky_granted
         return plan, Simulator(granted, cost, prefetch_bytes=granted.prefetch_bytes)
+
+    def _move_s_per_byte(self, cost) -> float:
+        """Seconds a migration takes per byte moved: what this engine's moves measured, else the
+        cost model's read plus write of a MiB (a move to NVMe writes and reads back to verify)."""
+        if self.migration_s_per_byte is not None:
+            return self.migration_s_per_byte
+        mib = 1 << 20
+        return float(cost.predict_s("nvme", "read", mib) + cost.predict_s("nvme", "write", mib)) / mib
 
     @staticmethod
     def _as_granted(engine, workload: Workload, plan: Plan, cost) -> Workload:
@@ -465,7 +509,7 @@ class AdaptiveController:
         s = self.settings
         if self._predicted_step_s is None or len(self._recent_s) < s.drift_steps:
             return False
-        measured = statistics.median(self._recent_s)
+        measured = statistics.median(list(self._recent_s)[-s.drift_steps:])
         return abs(measured - self._predicted_step_s) > s.drift_fraction * self._predicted_step_s
 
     def _skip(self, why: str) -> None:

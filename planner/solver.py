@@ -172,7 +172,7 @@ def solve(workload: Workload, cost_model, dram_budget_bytes: int, *, method: str
           prefetch_bytes: int | None = None, fixed: Mapping | None = None, reserved_bytes: int | None = None,
           max_evaluations: int | None = None, greedy_batch: int | None = None, milp_time_limit_s: float = 30.0,
           milp_rel_gap: float = 1e-9, exchange: bool = True, resimulate_max_homes: float = 512,
-          **simulate_kwargs: Any) -> Plan:
+          incumbent: Mapping | None = None, switch_s_per_byte: float = 0.0, **simulate_kwargs: Any) -> Plan:
     """The placement of ``workload``'s homes that minimises the predicted step under the budget.
 
     ``dram_budget_bytes``: the DRAM budget (``zinf.dram_budget``); the homes get it minus
@@ -189,6 +189,12 @@ def solve(workload: Workload, cost_model, dram_budget_bytes: int, *, method: str
     default gap makes the MILP the exact oracle the tests need; HiGHS's own 1e-4 stops earlier
     with a plan up to 0.01% worse, which matters from ~10^4 shards, where 1e-9 can reach the
     time limit).
+    ``incumbent`` and ``switch_s_per_byte`` (MILP only): the placement in force (the forms of
+    ``fixed``), and the seconds per step that moving one byte of a home costs (a migration's
+    seconds spread over the steps it has to pay back in); the MILP then charges every home whose
+    tier differs from the incumbent's its bytes x ``switch_s_per_byte``, so it moves a home only
+    where that pays, and homes of nearly equal worth stay where they are. The plan's objective
+    and prediction leave that charge out.
     Raises :class:`PlanError` when the pinned DRAM homes alone exceed the room.
     """
     t0 = time.perf_counter()
@@ -210,8 +216,14 @@ def solve(workload: Workload, cost_model, dram_budget_bytes: int, *, method: str
     t2 = time.perf_counter()
     prediction: Prediction | None = None  # the greedy returns the simulation of its plan; the MILP does not
     sim_saved: dict[tuple[int, str], float] = {}
+    if incumbent is not None and method != "milp":
+        raise PlanError("incumbent and switch_s_per_byte are for method='milp'")
     if method == "milp":
-        tp, to, objective, sim_saved, evals, note = _milp(prob, lin, room, milp_time_limit_s, milp_rel_gap)
+        switch = None
+        if incumbent is not None and switch_s_per_byte > 0:
+            cur_p, cur_o, _, _ = _start_tiers(wl, incumbent)
+            switch = (cur_p, cur_o, float(switch_s_per_byte))
+        tp, to, objective, sim_saved, evals, note = _milp(prob, lin, room, milp_time_limit_s, milp_rel_gap, switch)
     elif prob.n_homes > resimulate_max_homes:
         tp, to, prediction, evals, note = _fast_greedy(prob, lin, room, max_evaluations)
     else:
@@ -853,14 +865,21 @@ def _fill_in_order(order: np.ndarray, nbytes: np.ndarray, free: int) -> np.ndarr
 
 
 # ------------------------------------------------------------------------------ MILP
-def _milp(prob: _Problem, lin: pd.DataFrame, room: int, time_limit_s: float, rel_gap: float):
-    """One-hot over each shard's tier combinations; minimise the linear stall within the room."""
+def _milp(prob: _Problem, lin: pd.DataFrame, room: int, time_limit_s: float, rel_gap: float,
+          switch: tuple[list, list, float] | None = None):
+    """One-hot over each shard's tier combinations; minimise the linear stall within the room
+    (plus, with ``switch`` = (incumbent param tiers, optim tiers, seconds per byte), the cost of
+    every home moved away from its incumbent tier; the objective returned leaves it out)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
     cost_p = lin["param_stall_s"].to_numpy(np.float64)
     cost_o = lin["optim_stall_s"].to_numpy(np.float64)
-    var_shard, var_tiers, c, bytes_row = [], [], [], []
+    if switch is not None:
+        cur_p, cur_o, per_byte = switch
+        move_p = prob.wl.shards["param_bytes"].to_numpy(np.float64) * per_byte  # s/step to move the home
+        move_o = prob.wl.shards["optim_bytes"].to_numpy(np.float64) * per_byte
+    var_shard, var_tiers, c, bytes_row, switch_c = [], [], [], [], []
     const_cost, const_bytes = 0.0, 0
     for i in range(prob.n):
         ps = ["nvme", "cpu"] if prob.movable["param"][i] else [prob.tp0[i]]
@@ -879,6 +898,8 @@ def _milp(prob: _Problem, lin: pd.DataFrame, room: int, time_limit_s: float, rel
             var_tiers.append((p, o))
             c.append(cost(p, o))
             bytes_row.append(prob.shard_bytes(i, p, o))
+            if switch is not None:
+                switch_c.append((move_p[i] if p != cur_p[i] else 0.0) + (move_o[i] if o != cur_o[i] else 0.0))
     tp, to = list(prob.tp0), list(prob.to0)
     note = ""
     objective = const_cost
@@ -889,7 +910,8 @@ def _milp(prob: _Problem, lin: pd.DataFrame, room: int, time_limit_s: float, rel
         one_hot = coo_matrix((np.ones(m), ([row_of[s] for s in var_shard], np.arange(m))), shape=(len(shards), m))
         constraints = [LinearConstraint(one_hot, 1, 1),
                        LinearConstraint(np.asarray(bytes_row, np.float64)[None, :], -np.inf, float(room - const_bytes))]
-        res = milp(np.asarray(c), constraints=constraints, integrality=np.ones(m), bounds=Bounds(0, 1),
+        objective_c = np.asarray(c) + (np.asarray(switch_c) if switch is not None else 0.0)
+        res = milp(objective_c, constraints=constraints, integrality=np.ones(m), bounds=Bounds(0, 1),
                    options={"time_limit": float(time_limit_s), "mip_rel_gap": float(rel_gap)})
         if res.x is None:
             raise PlanError(f"the MILP found no placement within the room ({res.message})")

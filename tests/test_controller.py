@@ -219,6 +219,13 @@ def test_a_plan_measured_slower_is_reverted_and_not_tried_again(tmp_path):
     first = reverts[0] - 1
     assert plans["adopted"].iat[first] and reasons[first]["trigger"] == "schedule"  # the bad plan itself
     assert reasons[reverts[0]]["measured_step_s"] > 1.05 * reasons[reverts[0]]["before_step_s"]
+    # the controller kept the bad plan's figures: its prediction against what it measured
+    assert len(controller.verified) == 1
+    check = controller.verified[0]
+    revert = reasons[reverts[0]]
+    assert (check["predicted_s"], check["measured_s"], check["before_s"]) == (
+        revert["predicted_step_s"], revert["measured_step_s"], revert["before_step_s"])
+    assert check["predicted_s"] < 0.01 < check["measured_s"]  # the injected 1 ms, and the truth
     later = plans.iloc[reverts[0] + 1:]
     assert len(later) >= 1 and not later["adopted"].any()  # the same plan was made again, and refused
     assert all("reverted" in r["why"] for r in later["reason"])

@@ -270,6 +270,8 @@ def test_event_stream_exact_counts(tmp_path):
     assert rows(url, "SELECT DISTINCT step FROM shard_steps ORDER BY step") == [(k,) for k in range(1, N_STEPS + 1)]
     assert rows(url, "SELECT DISTINCT window_steps FROM shard_steps") == [(1,)]
     assert rows(url, "SELECT step, count(*) FROM io_samples GROUP BY step") == [(k, 4) for k in range(1, N_STEPS + 1)]
+    recent = queries.io_samples(url, run_id, first_step=N_STEPS - 1)  # what a planner refits from
+    assert sorted(set(recent["step"])) == [N_STEPS - 1, N_STEPS] and len(recent) == 8
 
     runs = queries.list_runs(url)
     assert list(runs["run_id"]) == [1]

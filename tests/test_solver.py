@@ -8,6 +8,7 @@ come within 1% of it on every instance; it is never told the MILP's answer.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -103,20 +104,24 @@ def test_in_the_linear_regime_the_milp_is_the_simulators_optimum(seed):
     does the greedy's."""
     wl, room = random_instance(1000 + seed, n=int(np.random.default_rng(seed).integers(3, 6)))
     sim = Simulator(wl, CM)
+    fastest = min(sim.predict(placement).step_s for placement in _all_placements(wl, room))
+    for method in ("milp", "greedy"):
+        plan = solve(wl, CM, room, reserved_bytes=0, method=method)
+        assert plan.prediction.step_s == pytest.approx(fastest, rel=1e-9), method
+
+
+def _all_placements(wl: Workload, room: int):
+    """Every placement of ``wl``'s homes that honours the pins and fits ``room`` (tiny instances)."""
     df = wl.shards
     options = []
     for name, pin_p, pin_o, trainable in zip(df["shard"], df["pin_param"], df["pin_optim"], df["trainable"]):
         params = [pin_p] if pin_p else TIERS
         optims = ["none"] if not trainable else [pin_o] if pin_o else TIERS
         options.append([(name, p, o) for p in params for o in optims])
-    fastest = np.inf
     for combo in itertools.product(*options):
         placement = {name: {"param": p, "optim": o} for name, p, o in combo}
         if wl.dram_bytes(placement) <= room:
-            fastest = min(fastest, sim.predict(placement).step_s)
-    for method in ("milp", "greedy"):
-        plan = solve(wl, CM, room, reserved_bytes=0, method=method)
-        assert plan.prediction.step_s == pytest.approx(fastest, rel=1e-9), method
+            yield placement
 
 
 def big_workload(n: int, seed: int = 0, **settings) -> Workload:
@@ -205,3 +210,50 @@ def test_unknown_fixed_shards_and_overfull_pins_are_refused():
     everything = {n: {"param": "cpu", "optim": "cpu"} for n in wl.names}
     with pytest.raises(PlanError, match="pinned DRAM homes"):
         solve(wl, CM, wl.dram_bytes(everything) - 1, reserved_bytes=0, fixed=everything)
+
+
+def _moved_bytes(wl: Workload, a: dict, b: dict) -> int:
+    """Bytes of the homes whose tier differs between placements ``a`` and ``b``."""
+    df = wl.shards.set_index("shard")
+    return sum(int(df.at[n, f"{state}_bytes"]) for n in a for state in ("param", "optim") if a[n][state] != b[n][state])
+
+
+def boundary_instance(seed: int) -> tuple[Workload, Workload, int]:
+    """Five shards of like size and nearly equal use, room for two or three of their param homes
+    (no optimizer home fits), and the same workload after the uses drifted (their order
+    reversed): what is hot changes, a little."""
+    rng = np.random.default_rng(seed)
+    uses = np.sort(rng.uniform(0.8, 1.2, 5))
+    numel = (rng.uniform(0.9, 1.1, 5) * (1 << 18)).astype(int)
+
+    def workload(u):
+        rows = [{"numel": int(n), "fwd_accesses_per_step": float(x), "bwd_accesses_per_step": float(x),
+                 "opt_accesses_per_step": 1.0} for n, x in zip(numel, u)]
+        return Workload.from_rows(rows, compute_fwd_s=0.01, update_s_per_elem=2e-9, **LINEAR)
+
+    before, after = workload(uses), workload(uses[::-1])
+    return before, after, int(4 * numel.sum() // 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_switching_costs_keep_homes_of_nearly_equal_worth_where_they_are(seed):
+    """With the placement in force and a cost per byte moved, the MILP moves a home only where
+    that pays: its plan is optimal for stall + switching cost (brute force), it moves no more
+    bytes as the cost grows, and a prohibitive cost moves nothing."""
+    before, drifted, room = boundary_instance(seed)
+    incumbent = solve(before, CM, room, reserved_bytes=0, method="milp").placement
+    free = solve(drifted, CM, room, reserved_bytes=0, method="milp")
+    assert free.placement != incumbent, "the drift must move the unconstrained optimum"
+    moved = []
+    for per_byte in (0.0, 1e-11, 1e-10, 1e-9, 1e-3):
+        plan = solve(drifted, CM, room, reserved_bytes=0, method="milp", incumbent=incumbent, switch_s_per_byte=per_byte)
+        assert_valid(drifted, plan, room)
+        moved.append(_moved_bytes(drifted, incumbent, plan.placement))
+        if per_byte == 0.0:
+            assert plan.placement == free.placement
+        # brute force over every placement within the room: none is cheaper counting the moves
+        total = lambda p: simulate(drifted, p, CM).step_s + per_byte * _moved_bytes(drifted, incumbent, p)
+        best = min(total(p) for p in _all_placements(drifted, room))
+        assert total(plan.placement) <= best * (1 + 1e-9) + 1e-12
+    assert moved == sorted(moved, reverse=True) and moved[0] > 0, moved
+    assert moved[-1] == 0, "a prohibitive cost per byte must keep the placement in force"
