@@ -93,6 +93,10 @@ class ControllerSettings:
     """After a revert, plans are not adopted again until the accesses per step have changed by
     this fraction (L1, against those the reverted plan was made from)."""
 
+    error_plans: int = 4
+    """Adopted plans whose measured outcome sets the model's error (:attr:`AdaptiveController.model_error`):
+    no plan predicted to gain less than that fraction of the step is adopted (0: ignore the error)."""
+
     policy: PolicySettings = field(default_factory=PolicySettings)
 
 
@@ -184,6 +188,19 @@ class AdaptiveController:
         """The predicted step time of the placement in force (of the adopted plan once it has
         landed; of the current placement when the last plan was not adopted); None before the first plan."""
         return self._predicted_step_s
+
+    @property
+    def model_error(self) -> float | None:
+        """How far off the model has been: the median |predicted - measured| / measured step of the
+        last ``error_plans`` adopted plans once landed (None before the first was measured). A
+        plan predicted to gain less than this fraction of the step is not adopted: its gain is
+        within what the model gets wrong (with a few tokens a step, the next plan would undo it)."""
+        if self.settings.error_plans <= 0:
+            return None
+        recent = self.verified[-self.settings.error_plans:]
+        if not recent:
+            return None
+        return statistics.median(abs(v["predicted_s"] - v["measured_s"]) / v["measured_s"] for v in recent)
 
     @property
     def _verify_steps(self) -> int:
@@ -298,6 +315,7 @@ class AdaptiveController:
             predict_step_s=lambda homes: sim.predict(homes).step_s,
             density=density, dram_bytes=plan.home_bytes(), dram_room_bytes=plan.room_bytes,
             migration_s=move_s, horizon_steps=s.replan_every * s.horizon_plans,
+            min_gain_fraction=max(self.policy.settings.min_gain_fraction, self.model_error or 0.0),
         )
         rates = _rates(workload)
         if decision.adopt and self._failed is not None:
@@ -314,6 +332,7 @@ class AdaptiveController:
         reason = decision.as_reason() | {
             "current_step_s": current_step_s, "measured_step_s": workload.measured_step_s,
             "solver": plan.method, "solver_s": plan.solve_s, "note": plan.note, "trigger": "drift" if drifted else "schedule",
+            "model_error": self.model_error,
         }
         self.recorder.record_plan(
             self.plans_made, _assignments(engine.placement, decision.placement, density), policy="adaptive", created_step=step,

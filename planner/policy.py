@@ -113,6 +113,7 @@ class PlacementPolicy:
         dram_room_bytes: int,
         migration_s: Callable[[Move], float],
         horizon_steps: int,
+        min_gain_fraction: float | None = None,
     ) -> Decision:
         """Judge ``candidate`` against ``current`` (both ``{home: tier}``).
 
@@ -121,9 +122,12 @@ class PlacementPolicy:
         byte of each home in DRAM; ``dram_bytes``: DRAM a home takes in DRAM; ``dram_room_bytes``:
         DRAM the homes may take in all (the budget minus working set and buffers);
         ``migration_s(move)``: predicted seconds of one move; ``horizon_steps``: steps left
-        (or until the next re-plan window ends) over which a gain pays back.
+        (or until the next re-plan window ends) over which a gain pays back;
+        ``min_gain_fraction``: overrides the setting of that name (a controller that has
+        measured its model's error raises it to that error).
         """
         s = self.settings
+        min_gain = s.min_gain_fraction if min_gain_fraction is None else min_gain_fraction
         target = self._warm_band(current, candidate, density, dram_bytes, dram_room_bytes)
         kept = sum(1 for h, t in candidate.items() if target.get(h) != t)
         moves = diff_moves(current, target)
@@ -135,8 +139,8 @@ class PlacementPolicy:
         pingpong = self._pingpong(current, moves)
         base = dict(moves=moves, placement=target, gain_s_per_step=gain_s, migration_s=cost_s,
                     horizon_steps=horizon_steps, kept_by_warm_band=kept, pingpong_moves=pingpong)
-        if gain_s < s.min_gain_fraction * current_step_s:
-            why = (f"predicted gain {gain_s * 1e3:.1f} ms/step is below {s.min_gain_fraction:.0%} "
+        if gain_s < min_gain * current_step_s:
+            why = (f"predicted gain {gain_s * 1e3:.1f} ms/step is below {min_gain:.0%} "
                    f"of the {current_step_s * 1e3:.1f} ms step")
             return Decision(False, why, **base)
         if gain_s * horizon_steps <= s.margin * cost_s:

@@ -201,6 +201,7 @@ def test_a_plan_measured_slower_is_reverted_and_not_tried_again(tmp_path):
         assert all(t["param"] == "cpu" and t["optim"] in ("cpu", "none") for t in start.values())
         controller = WrongPlanner(url, engine.recorder, 64 * MiB, ControllerSettings(
             replan_every=REPLAN, first_plan_after=6,  # a 5-step median before: robust to one slow step
+            error_plans=0,  # the revert's own rule (accesses unchanged) is what refuses the plan again here
             policy=PolicySettings(margin=0, min_gain_fraction=0)))
         engine.controller = controller
         for step in range(6 * REPLAN):
@@ -226,6 +227,20 @@ def test_a_plan_measured_slower_is_reverted_and_not_tried_again(tmp_path):
     assert (check["predicted_s"], check["measured_s"], check["before_s"]) == (
         revert["predicted_step_s"], revert["measured_step_s"], revert["before_step_s"])
     assert check["predicted_s"] < 0.01 < check["measured_s"]  # the injected 1 ms, and the truth
+    assert controller.model_error is None  # error_plans=0: the model's error is not used
     later = plans.iloc[reverts[0] + 1:]
     assert len(later) >= 1 and not later["adopted"].any()  # the same plan was made again, and refused
     assert all("reverted" in r["why"] for r in later["reason"])
+
+
+def test_the_models_error_is_the_median_miss_of_its_last_plans():
+    """model_error: median |predicted - measured| / measured of the last error_plans verified
+    plans; the controller then refuses predicted gains below it (tests/test_policy.py)."""
+    from planner.controller import AdaptiveController, ControllerSettings
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(error_plans=3))
+    assert c.model_error is None
+    for predicted, measured in ((0.5, 1.0), (0.9, 1.0), (1.1, 1.0), (1.3, 1.0)):
+        c.verified.append({"step": 1, "predicted_s": predicted, "measured_s": measured, "before_s": 1.0})
+    assert c.model_error == pytest.approx(0.1)  # the last three: 0.1, 0.1, 0.3
+    assert AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(error_plans=0)).model_error is None

@@ -25,11 +25,12 @@ def setup(n: int = 6):
     return homes, saved, size, density
 
 
-def decide(policy, current, candidate, saved, size, density, *, room=30 * MiB, horizon=20, move_s=0.01):
+def decide(policy, current, candidate, saved, size, density, *, room=30 * MiB, horizon=20, move_s=0.01,
+           min_gain_fraction=None):
     predict = linear_model(1.0, saved)
     return policy.decide(current, candidate, current_step_s=predict(current), predict_step_s=predict,
                          density=density, dram_bytes=size, dram_room_bytes=room,
-                         migration_s=lambda m: move_s, horizon_steps=horizon)
+                         migration_s=lambda m: move_s, horizon_steps=horizon, min_gain_fraction=min_gain_fraction)
 
 
 def test_diff_moves_evicts_first_and_skips_unchanged_and_unmovable():
@@ -70,6 +71,19 @@ def test_tiny_gains_are_noise():
     d = decide(PlacementPolicy(PolicySettings(warm_band=0)), current, candidate, saved, size, density,
                horizon=10_000, move_s=0.0)
     assert not d.adopt and "below" in d.reason
+
+
+def test_a_gain_within_the_models_error_is_not_acted_on():
+    """A controller that measured its model off by 15% passes that as the smallest gain worth a
+    move: the same plan is adopted below it and refused above it."""
+    homes, saved, size, density = setup()
+    current = {h: ("cpu" if i < 3 else "nvme") for i, h in enumerate(homes)}
+    candidate = dict(current)
+    candidate[homes[0]], candidate[homes[5]] = "nvme", "cpu"  # gains 0.06 - 0.01 = 0.05 s of a 0.94 s step
+    policy = PlacementPolicy(PolicySettings(warm_band=0))
+    assert decide(policy, current, candidate, saved, size, density, horizon=10_000, min_gain_fraction=0.05).adopt
+    refused = decide(policy, current, candidate, saved, size, density, horizon=10_000, min_gain_fraction=0.15)
+    assert not refused.adopt and "below 15%" in refused.reason
 
 
 def test_warm_band_keeps_near_threshold_homes_where_they_are():
