@@ -90,6 +90,7 @@ from zinf.placement import fmt_bytes  # noqa: E402
 from zinf.storage.fsinfo import filesystem_of  # noqa: E402
 
 STATE_BYTES_PER_PARAM = 4 + 4 + 4 + 4 + 4  # fp32 param, grad, master, exp_avg, exp_avg_sq
+DEVICE = "cpu"  # zinf.device of every run (--device): the CPU computes, also on a GPU machine
 POLICIES = ("nvme", "max_in_cpu", "adaptive")
 STATIC_POLICIES = ("nvme", "max_in_cpu")
 MOE_HEADLINE_BUDGET = 0.3
@@ -161,7 +162,7 @@ def base_config(w: Workload, swap: Path, budget_bytes: int) -> dict:
             "stage3_prefetch_bucket_size": w.n_params // 4,
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2},
-        "zinf": {"dram_budget": budget_bytes, **w.zinf_extra},
+        "zinf": {"dram_budget": budget_bytes, "device": DEVICE, **w.zinf_extra},
     }
 
 
@@ -547,6 +548,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny models, for a smoke run")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--log-plans", action="store_true", help="print the adaptive planner's log (every plan and why)")
+    ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                    help="zinf.device of every run (default cpu: the workloads are sized for CPU compute)")
     args = ap.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -559,6 +562,8 @@ def main() -> None:
     if args.drift_at is not None and args.drift_at < 1:
         raise SystemExit("--drift-at must be >= 1 (a step with steps before it)")
     torch.set_num_threads(os.cpu_count() or 1)
+    global DEVICE
+    DEVICE = args.device
     if args.log_plans:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("    %(message)s"))
