@@ -48,8 +48,9 @@ class PolicySettings:
     margin: float = 1.5
     """The predicted gain over the horizon must exceed the migration seconds times this."""
 
-    min_gain_fraction: float = 0.02
-    """Gains below this fraction of the current step time are treated as noise."""
+    min_gain_fraction: float = 0.05
+    """Gains below this fraction of the current step time are treated as noise (5%: what a
+    landed plan's measurement can tell from noise, ``revert_fraction``)."""
 
     warm_band: float = 0.15
     """Homes whose saved-seconds-per-byte is within this fraction of the DRAM threshold stay put."""

@@ -591,14 +591,22 @@ class PlacementConfig(_Section):
     """Bytes of shards moved between tiers per step at most, when a new plan differs."""
 
     plan_file: OptionalPath = None
-    """A saved ``plan.json`` to start from instead of planning from scratch."""
+    """A saved plan (``plan.json``, written by ``zinf plan`` or ``zinf report``) whose placement the
+    run starts from, instead of the one ``offload_param``/``offload_optimizer`` devices and
+    ``max_in_cpu`` describe. It must name exactly this model's shards (same shard settings and
+    precision as the profiled run); ``module_parameters`` pins must agree with it, and the
+    placement must fit ``dram_budget`` (checked at ``initialize``). The adaptive policy re-plans
+    from there. Relative paths start at the working directory, like ``nvme_path``."""
 
     adopt_margin: float = Field(1.5, ge=0)
     """Adaptive: a plan is adopted only when its predicted gain over the next few re-plan periods
     exceeds its migration time times this (0: any predicted gain)."""
 
-    min_gain_fraction: float = Field(0.02, ge=0, lt=1)
-    """Adaptive: predicted gains below this fraction of the step time are ignored as noise."""
+    min_gain_fraction: float = Field(0.05, ge=0, lt=1)
+    """Adaptive: predicted gains below this fraction of the step time are ignored as noise. 5%,
+    as ``revert_fraction``: a plan predicted to gain less could be wrong by all of its gain and
+    still not be told apart from noise (nor reverted) once it lands (the dense GPT's first plans
+    predicted 2-3% gains that measured as losses)."""
 
     warm_band: float = Field(0.15, ge=0, lt=1)
     """Adaptive: homes whose value per byte is within this fraction of the plan's DRAM threshold
