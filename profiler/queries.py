@@ -47,6 +47,19 @@ __all__ = [
     "calibrations",
     "effective_status",
     "STALE_AFTER_S",
+    # pages and bins, for the dashboard
+    "run_progress",
+    "run_metadata",
+    "run_totals",
+    "steps_page",
+    "io_samples_page",
+    "migrations_page",
+    "migrations_per_step",
+    "plan_info",
+    "plan_assignments_page",
+    "homed_bytes",
+    "shard_totals",
+    "shard_heatmap",
 ]
 
 Source = str | URL | Engine
@@ -398,3 +411,243 @@ def calibrations(src: Source, path: str | None = None) -> pd.DataFrame:
         df = _frame(conn, stmt)
     df["created_at"] = _ts(df["created_at"])
     return df
+
+
+# ------------------------------------------------------------- pages and bins (the dashboard)
+# The dashboard asks for a slice of a large table at a time: these read only the rows of one page
+# (``limit``/``offset`` in SQL, ``total`` counted on an index) or aggregate in SQL, so a request
+# costs the same on a run with 10^6 shard-step rows as on one with 10^3.
+def run_progress(src: Source, run_id: int) -> dict[str, Any]:
+    """Counters that change whenever the recorder writes to a run (cheap: index look-ups only):
+    ``steps, last_step, last_plan_id, last_migration_id, recorded_status, last_heartbeat``. A
+    reader caches what it computed from a run under these and recomputes when they change."""
+    st, p, m, r = schema.steps, schema.plans, schema.migrations, schema.runs
+    rid = int(run_id)
+    with _read(src) as conn:
+        _check_run(conn, rid, _shown(src))
+        n, last = conn.execute(sa.select(sa.func.count(), sa.func.max(st.c.step)).where(st.c.run_id == rid)).one()
+        last_plan = conn.execute(sa.select(sa.func.max(p.c.id)).where(p.c.run_id == rid)).scalar()
+        last_mig = conn.execute(sa.select(sa.func.max(m.c.id)).where(m.c.run_id == rid)).scalar()
+        status, beat = conn.execute(sa.select(r.c.status, r.c.last_heartbeat).where(r.c.id == rid)).one()
+    return {"steps": int(n or 0), "last_step": None if last is None else int(last), "last_plan_id": last_plan,
+            "last_migration_id": last_mig, "recorded_status": status, "last_heartbeat": beat}
+
+
+def run_metadata(src: Source) -> pd.DataFrame:
+    """Per run, the JSON the recorder stored at its start: ``run_id, model, hardware`` (dicts)."""
+    r = schema.runs
+    with _read(src) as conn:
+        return _frame(conn, sa.select(r.c.id.label("run_id"), r.c.model, r.c.hardware).order_by(r.c.id),
+                      ["run_id", "model", "hardware"])
+
+
+def run_totals(src: Source) -> pd.DataFrame:
+    """Per run with steps: ``run_id, wall_s_total, stall_s_total, stall_fraction`` (stall seconds over
+    wall seconds, summed over the run's steps)."""
+    st = schema.steps
+    with _read(src) as conn:
+        df = _frame(conn, sa.select(st.c.run_id, sa.func.sum(st.c.wall_s).label("wall_s_total"),
+                                    sa.func.sum(st.c.stall_s).label("stall_s_total")).group_by(st.c.run_id))
+    wall = df["wall_s_total"].astype("float64")
+    df["stall_fraction"] = df["stall_s_total"].astype("float64") / wall.where(wall > 0)
+    return df
+
+
+def steps_page(src: Source, run_id: int, *, after_step: int | None = None, limit: int | None = None) -> pd.DataFrame:
+    """:func:`steps`, only the rows with ``step > after_step`` (all when None), the first ``limit``
+    of them in step order: what a live page polls for."""
+    t = schema.steps
+    cols = [c for c in t.c if c.name not in ("id", "run_id")]
+    stmt = sa.select(*cols).where(t.c.run_id == int(run_id))
+    if after_step is not None:
+        stmt = stmt.where(t.c.step > int(after_step))
+    stmt = stmt.order_by(t.c.step, t.c.id)
+    if limit is not None:
+        stmt = stmt.limit(int(limit))
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        df = _frame(conn, stmt, [c.name for c in cols])
+    df["recorded_at"] = _ts(df["recorded_at"])
+    return df
+
+
+def _count(conn: sa.Connection, table: sa.Table, *where) -> int:
+    return int(conn.execute(sa.select(sa.func.count()).select_from(table).where(*where)).scalar() or 0)
+
+
+def io_samples_page(src: Source, run_id: int, *, limit: int, offset: int = 0,
+                    first_step: int | None = None) -> tuple[pd.DataFrame, int]:
+    """One page of :func:`io_samples` in recording order, and the number of samples in all pages."""
+    io, sh = schema.io_samples, schema.shards
+    cols = [c for c in io.c if c.name not in ("id", "run_id")]
+    where = [io.c.run_id == int(run_id)]
+    if first_step is not None:
+        where.append(io.c.step >= int(first_step))
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        total = _count(conn, io, *where)
+        df = _frame(conn, sa.select(*cols, sh.c.name.label("shard"))
+                    .join_from(io, sh, io.c.shard_id == sh.c.id, isouter=True)
+                    .where(*where).order_by(io.c.step, io.c.id).limit(int(limit)).offset(int(offset)),
+                    [*(c.name for c in cols), "shard"])
+    secs = df["seconds"].astype("float64")
+    df["GBps"] = (df["bytes"].astype("float64") / secs.where(secs > 0)) / 1e9
+    return df, total
+
+
+def migrations_page(src: Source, run_id: int, *, limit: int, offset: int = 0) -> tuple[pd.DataFrame, int]:
+    """One page of :func:`migrations` in recording order, and the number of migrations in all pages."""
+    m, sh = schema.migrations, schema.shards
+    cols = ["step", "plan_version", "shard", "state", "src_tier", "dst_tier", "bytes", "seconds"]
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        total = _count(conn, m, m.c.run_id == int(run_id))
+        df = _frame(conn, sa.select(m.c.step, m.c.plan_version, sh.c.name.label("shard"), m.c.state, m.c.src_tier,
+                                    m.c.dst_tier, m.c.bytes, m.c.seconds)
+                    .join_from(m, sh, m.c.shard_id == sh.c.id).where(m.c.run_id == int(run_id))
+                    .order_by(m.c.step, m.c.id).limit(int(limit)).offset(int(offset)), cols)
+    return df, total
+
+
+def migrations_per_step(src: Source, run_id: int) -> pd.DataFrame:
+    """Migrations summed per step and direction: ``step, src_tier, dst_tier, moves, bytes, seconds``."""
+    m = schema.migrations
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        return _frame(conn, sa.select(m.c.step, m.c.src_tier, m.c.dst_tier, sa.func.count().label("moves"),
+                                      sa.func.sum(m.c.bytes).label("bytes"), sa.func.sum(m.c.seconds).label("seconds"))
+                      .where(m.c.run_id == int(run_id)).group_by(m.c.step, m.c.src_tier, m.c.dst_tier)
+                      .order_by(m.c.step, m.c.src_tier, m.c.dst_tier),
+                      ["step", "src_tier", "dst_tier", "moves", "bytes", "seconds"])
+
+
+def plan_info(src: Source, plan_id: int) -> dict[str, Any]:
+    """One plan's row (as in :func:`plans`, with ``run_id``); an unknown id is a ProfileError."""
+    p, a = schema.plans, schema.plan_assignments
+    n = sa.select(sa.func.count()).where(a.c.plan_id == p.c.id).scalar_subquery()
+    with _read(src) as conn:
+        row = conn.execute(sa.select(p.c.id.label("plan_id"), *[c for c in p.c if c.name != "id"], n.label("assignments"))
+                           .where(p.c.id == int(plan_id))).mappings().first()
+        if row is None:
+            last = conn.execute(sa.select(sa.func.max(p.c.id))).scalar()
+            known = "none (no plan recorded yet)" if last is None else f"1 to {last}"
+            raise ProfileError(f"unknown plan id {plan_id} in {_shown(src)}; known: {known}")
+    info = dict(row)
+    info["created_at"] = None if info["created_at"] is None else pd.Timestamp(info["created_at"], unit="s", tz="UTC")
+    return info
+
+
+def plan_assignments_page(src: Source, plan_id: int, *, limit: int, offset: int = 0) -> tuple[pd.DataFrame, int]:
+    """One page of :func:`plan_assignments` (in shard order) and the plan's number of assignments."""
+    a, sh = schema.plan_assignments, schema.shards
+    cols = ["shard", "shard_index", "param_tier", "optim_tier", "score"]
+    with _read(src) as conn:
+        total = _count(conn, a, a.c.plan_id == int(plan_id))
+        df = _frame(conn, sa.select(sh.c.name.label("shard"), sh.c.shard_index, a.c.param_tier, a.c.optim_tier, a.c.score)
+                    .join_from(a, sh, a.c.shard_id == sh.c.id).where(a.c.plan_id == int(plan_id))
+                    .order_by(sh.c.shard_index).limit(int(limit)).offset(int(offset)), cols)
+    return df, total
+
+
+def homed_bytes(src: Source, run_id: int) -> pd.DataFrame:
+    """Bytes whose home is each tier, per recorded step: ``step, gpu_bytes, cpu_bytes, nvme_bytes``.
+
+    A shard's param home holds ``param_bytes`` and its optimizer home ``optim_bytes``; the homes at
+    the run's start (``shards``) are replayed through the recorded migrations. A migration recorded
+    with step ``k`` happened between steps ``k`` and ``k + 1`` (the engine's ``global_steps``), so
+    step ``s`` counts the migrations with step ``< s``. Optimizer homes of frozen shards (tier
+    ``none``) count nowhere.
+    """
+    sh, m, st = schema.shards, schema.migrations, schema.steps
+    rid = int(run_id)
+    moved = sa.case((m.c.state == "param", sh.c.param_bytes), else_=sh.c.optim_bytes)
+    with _read(src) as conn:
+        _check_run(conn, rid, _shown(src))
+        start: dict[str, int] = {t: 0 for t in schema.TIERS}
+        for state in ("param", "optim"):
+            tier, nbytes = sh.c[f"{state}_tier"], sh.c[f"{state}_bytes"]
+            for t, b in conn.execute(sa.select(tier, sa.func.sum(nbytes)).where(sh.c.run_id == rid).group_by(tier)):
+                if t in start:
+                    start[t] += int(b or 0)
+        deltas = _frame(conn, sa.select(m.c.step, m.c.src_tier, m.c.dst_tier, sa.func.sum(moved).label("bytes"))
+                        .join_from(m, sh, m.c.shard_id == sh.c.id).where(m.c.run_id == rid)
+                        .group_by(m.c.step, m.c.src_tier, m.c.dst_tier), ["step", "src_tier", "dst_tier", "bytes"])
+        step_nums = [r[0] for r in conn.execute(sa.select(st.c.step).where(st.c.run_id == rid).distinct().order_by(st.c.step))]
+    out = pd.DataFrame({"step": pd.Series(step_nums, dtype="int64")})
+    for t in schema.TIERS:
+        change = pd.Series(0, index=deltas.index, dtype="int64")
+        if len(deltas):
+            b = deltas["bytes"].astype("int64")
+            change = b.where(deltas["dst_tier"] == t, 0) - b.where(deltas["src_tier"] == t, 0)
+        # the change in force at step s: the migrations recorded at steps < s
+        per_step = change.groupby(deltas["step"]).sum().sort_index().cumsum() if len(deltas) else pd.Series(dtype="int64")
+        if per_step.empty:
+            out[f"{t}_bytes"] = start[t]
+        else:
+            idx = per_step.index.searchsorted(out["step"].to_numpy(), side="left") - 1
+            vals = per_step.to_numpy()
+            out[f"{t}_bytes"] = start[t] + pd.Series(vals[idx.clip(min=0)], dtype="int64").where(idx >= 0, 0).to_numpy()
+    return out
+
+
+def shard_totals(src: Source, run_id: int) -> pd.DataFrame:
+    """Per shard with recorded accesses, its ``shard_steps`` rows summed over the whole run in one
+    pass: ``shard_id, forward_accesses, backward_accesses, recompute_accesses, optimizer_accesses,
+    read_bytes, written_bytes, fetch_s, stall_s, optimizer_s, windows``. (:func:`shard_access_stats`
+    says more - bytes per tier, tiers per window, a step range - and costs ~3x as much on 10^6 rows.)"""
+    ss = schema.shard_steps
+    phases = ["forward_accesses", "backward_accesses", "recompute_accesses", "optimizer_accesses"]
+    read = sum((ss.c[f"read_{t}_bytes"] for t in schema.TIERS[1:]), ss.c[f"read_{schema.TIERS[0]}_bytes"])
+    written = sum((ss.c[f"written_{t}_bytes"] for t in schema.TIERS[1:]), ss.c[f"written_{schema.TIERS[0]}_bytes"])
+    stmt = (sa.select(ss.c.shard_id, *[sa.func.sum(ss.c[p]).label(p) for p in phases],
+                      sa.func.sum(read).label("read_bytes"), sa.func.sum(written).label("written_bytes"),
+                      *[sa.func.sum(ss.c[c]).label(c) for c in ("fetch_s", "stall_s", "optimizer_s")],
+                      sa.func.count().label("windows"))
+            .where(ss.c.run_id == int(run_id)).group_by(ss.c.shard_id)
+            # SQLite would group along the (run_id, shard_id) index, one random row read per row;
+            # walking the (run_id, step) index reads the rows in the order they were written
+            .with_hint(ss, "INDEXED BY ix_shard_steps_run_id_step", "sqlite"))
+    cols = ["shard_id", *phases, "read_bytes", "written_bytes", "fetch_s", "stall_s", "optimizer_s", "windows"]
+    with _read(src) as conn:
+        _check_run(conn, run_id, _shown(src))
+        df = _frame(conn, stmt, cols)
+    for c in cols:
+        df[c] = df[c].fillna(0).astype("float64" if c.endswith("_s") else "int64")
+    return df
+
+
+def shard_heatmap(src: Source, run_id: int, *, max_steps: int = 200, max_shards: int = 200) -> pd.DataFrame:
+    """The accesses of every shard over the run's steps, summed in SQL into at most ``max_steps`` x
+    ``max_shards`` bins: ``step_lo, step_hi, index_lo, index_hi, accesses, accesses_per_shard_step``
+    (one row per bin with recorded accesses; shards by ``shard_index``, a window's accesses under its
+    first step; ``accesses_per_shard_step`` divides by the bin's shards and the steps it spans).
+    Empty without ``shard_steps`` rows (a run recorded at ``detail: step``)."""
+    ss, sh = schema.shard_steps, schema.shards
+    rid = int(run_id)
+    cols = ["step_lo", "step_hi", "index_lo", "index_hi", "accesses", "accesses_per_shard_step"]
+    with _read(src) as conn:
+        _check_run(conn, rid, _shown(src))
+        s0, s1 = conn.execute(sa.select(sa.func.min(ss.c.step), sa.func.max(ss.c.step)).where(ss.c.run_id == rid)).one()
+        n_shards = _count(conn, sh, sh.c.run_id == rid)
+        if s0 is None or not n_shards:
+            return pd.DataFrame({c: pd.Series(dtype="float64" if c == "accesses_per_shard_step" else "int64") for c in cols})
+        s0, s1 = int(s0), int(s1)
+        step_w = -(-(s1 - s0 + 1) // max(1, int(max_steps)))  # steps per bin (ceil)
+        shard_w = -(-n_shards // max(1, int(max_shards)))  # shards per bin
+        accesses = ss.c.forward_accesses + ss.c.backward_accesses + ss.c.recompute_accesses + ss.c.optimizer_accesses
+        sb = ((ss.c.step - s0) // step_w).label("sb")  # SQL integer division
+        hb = (sh.c.shard_index // shard_w).label("hb")
+        stmt = (sa.select(sb, hb, sa.func.sum(accesses).label("accesses")).select_from(ss.join(sh, ss.c.shard_id == sh.c.id))
+                .where(ss.c.run_id == rid).group_by(sb, hb))
+        bins = _frame(conn, stmt, ["sb", "hb", "accesses"])
+    bins = bins[bins["accesses"].notna()]
+    out = pd.DataFrame({
+        "step_lo": s0 + bins["sb"].astype("int64") * step_w,
+        "index_lo": bins["hb"].astype("int64") * shard_w,
+        "accesses": bins["accesses"].astype("int64"),
+    })
+    out["step_hi"] = (out["step_lo"] + step_w - 1).clip(upper=s1)
+    out["index_hi"] = (out["index_lo"] + shard_w - 1).clip(upper=n_shards - 1)
+    cells = (out["step_hi"] - out["step_lo"] + 1) * (out["index_hi"] - out["index_lo"] + 1)
+    out["accesses_per_shard_step"] = out["accesses"] / cells
+    return out[cols].sort_values(["step_lo", "index_lo"]).reset_index(drop=True)

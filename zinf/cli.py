@@ -179,6 +179,113 @@ def runs(db: Annotated[str, typer.Option(help="SQLAlchemy URL of the profile dat
     console.print(table)
 
 
+def _latest_run(db: str, run: int | None) -> int:
+    """``--run``, or the newest run of ``db`` (a one-line error when there is none)."""
+    if run is not None:
+        return run
+    from profiler.queries import latest_run_id
+    from profiler.store import describe_url
+    from zinf.errors import ProfileError
+
+    latest = latest_run_id(db)
+    if latest is None:
+        raise ProfileError(f"no run is recorded in {describe_url(db)}; record one with the profiler enabled")
+    return latest
+
+
+@app.command("plan")
+def plan(
+    dram_budget: Annotated[str, typer.Option(help="DRAM budget: a size such as 8GiB, or a percentage of the model state such as 30%")],
+    out: Annotated[Path, typer.Option(help="the plan file to write, e.g. plan.json; its folder must exist")],
+    db: Annotated[str, typer.Option(help="SQLAlchemy URL of the profile database")] = "sqlite:///zinf-profile.db",
+    run: Annotated[int | None, typer.Option(help="run id to plan from (default: the latest run)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing --out")] = False,
+) -> None:
+    """Plan the placement of a profiled run under a DRAM budget and write it as a plan file; a
+    training run starts from it with "zinf": {"placement": {"plan_file": "plan.json"}}."""
+    from profiler.export import check_out
+    from planner.whatif import WhatIf, parse_budget, write_plan
+    from zinf.placement import fmt_bytes
+
+    if not dram_budget.strip().endswith("%"):
+        parse_budget(dram_budget, 0)  # a size: checked before the profile is read
+    check_out(out, directory=False, force=force)
+    with console.status("reading the profile and planning", spinner="dots"):
+        wi = WhatIf.from_profile(db, _latest_run(db, run))
+        result = wi.plan(wi.parse_budget(dram_budget))
+    path = write_plan(result, out, force=force)
+    in_dram, homes = result.homes_in_dram
+    console.print(f"wrote {path}: run {result.run_id} at {fmt_bytes(result.dram_budget_bytes)} of DRAM, {in_dram} of {homes} "
+                  f"homes in DRAM, predicted {result.predicted_step_s:.4f} s a step ({result.speedup:.2f}x all-NVMe, "
+                  f"{result.all_nvme_step_s:.4f} s)", highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command("report")
+def report(
+    out: Annotated[Path, typer.Option(help="the HTML file to write, e.g. report.html; its folder must exist")],
+    db: Annotated[str, typer.Option(help="SQLAlchemy URL of the profile database")] = "sqlite:///zinf-profile.db",
+    run: Annotated[int | None, typer.Option(help="run id (default: the latest run)")] = None,
+    dram_budget: Annotated[str | None, typer.Option(help="DRAM budget to recommend for: a size such as 8GiB or a percentage "
+                                                         "of the model state such as 30% (default: the run's "
+                                                         "zinf.dram_budget, else the knee of the what-if curve)")] = None,
+    plan_out: Annotated[Path | None, typer.Option(help="where the recommended plan goes (default: plan.json beside --out)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing --out (and plan file)")] = False,
+) -> None:
+    """Write one self-contained HTML report of a profiled run (figures, recommended placement,
+    aio settings, a what-if table of DRAM budgets, the DeepSpeed config to stay on DeepSpeed),
+    plus the recommended plan as plan.json; print a short summary."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dashboard.report import build_report, check_outputs, summary_lines, write_report
+
+    check_outputs(out, plan_out, force=force)  # before any work: a path in the way is one line now
+    run_id = _latest_run(db, run)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("report", total=None)
+        result = build_report(db, run_id, dram_budget, plan_name=(plan_out or Path("plan.json")).name,
+                              progress=lambda done, total, label: bar.update(task, completed=done, total=total, description=label))
+    out_path, plan_path = write_report(result, out, plan_out, force=force)
+    for line in summary_lines(result):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    size_mb = out_path.stat().st_size / 1e6
+    console.print(f"wrote {out_path} ({size_mb:.1f} MB, open it in a browser) and {plan_path}", highlight=False,
+                  markup=False, soft_wrap=True)
+
+
+@app.command("dashboard")
+def dashboard(
+    db: Annotated[str, typer.Option(help="SQLAlchemy URL of the profile database (opened read-only)")] = "sqlite:///zinf-profile.db",
+    host: Annotated[str, typer.Option(help="address to listen on: 127.0.0.1 serves this machine only; 0.0.0.0 everyone who can reach it (no login!)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port to listen on", min=1, max=65535)] = 8050,
+) -> None:
+    """Serve the live web dashboard of a profile database: runs, step time, shards, plans, what-if.
+    It reads the database only, and follows a run while it trains."""
+    import socket
+
+    import uvicorn
+
+    from dashboard.app import create_app
+    from profiler.store import describe_url
+
+    web = create_app(db)  # a missing or foreign database fails here, in one line
+    # a port in use fails here in one line too, rather than in uvicorn's log
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(infos[0][4])
+    except OSError as e:
+        raise ZinfError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host") from None
+    shown_host = f"[{host}]" if ":" in host else host
+    console.print(f"zinf dashboard of {describe_url(db)} at http://{shown_host}:{port}/ (Ctrl-C stops it)",
+                  highlight=False, markup=False, soft_wrap=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        err_console.print(f"[yellow]warning:[/] listening on {host}: anyone who can reach this port can read the profile",
+                          highlight=False, soft_wrap=True)
+    uvicorn.run(web, host=host, port=port, log_level="warning")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=False)

@@ -55,7 +55,7 @@ from torch.profiler import record_function
 
 from zinf import events as ev
 from zinf.config import Config, load_config
-from zinf.errors import ConfigError, CorruptShardError, ModelError
+from zinf.errors import BudgetError, ConfigError, CorruptShardError, ModelError
 from zinf.hardware import describe, rss_bytes
 from zinf.optim import OptimizerSpec, clip_coefficient
 from zinf.pins import PinSet
@@ -177,6 +177,9 @@ class Engine:
             pin_for=param_pins.tier_for_param,
         )
         placements = static_placement(self.shards, cfg, optim_pin_for=optim_pins.tier_for_param)
+        plan_file = cfg.zinf.placement.plan_file
+        if plan_file is not None:  # a saved plan replaces what the offload devices and max_in_cpu say
+            placements = self._placements_from_plan(plan_file, placements)
         self.states = [ShardState(s, p, steps=[0] * len(s.members)) for s, p in zip(self.shards, placements)]
         self._state_by_name = {st.name: st for st in self.states}
         self._member_of: dict[int, tuple[ShardState, int]] = {
@@ -188,7 +191,13 @@ class Engine:
         #    overlap (prefetch window, optimizer read-ahead, writes in flight) from what is left
         self._stores: dict[str, object] = {}
         self.dram_need = self._dram_need()
-        check_budget(self.dram_need, cfg.zinf.dram_budget)
+        try:
+            check_budget(self.dram_need, cfg.zinf.dram_budget)
+        except BudgetError as e:
+            if plan_file is None:
+                raise
+            raise BudgetError(f"{e}; the placement is zinf.placement.plan_file {str(plan_file)!r}: make a plan for "
+                              f"this budget with `zinf plan --dram-budget SIZE`") from None
         self.overlap = self._size_overlap(cfg.zinf.dram_budget)
         self.dram_need.overlap_bytes = self.overlap.total_bytes
         self._stats_lock = threading.Lock()
@@ -226,6 +235,50 @@ class Engine:
         if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def _placements_from_plan(self, path: Path, static: list[ShardPlacement]) -> list[ShardPlacement]:
+        """The placement a saved plan file gives (``zinf.placement.plan_file``, written by ``zinf
+        plan``), one entry per shard, instead of ``static`` (what the offload devices and
+        ``max_in_cpu`` describe). The file must name exactly this model's shards; homes pinned by
+        ``module_parameters`` must have their pinned tier; a frozen shard has no optimizer home.
+        The DRAM budget is checked afterwards, as for any placement. Raises ConfigError (one line)."""
+        from zinf.planfile import read_plan_file
+
+        plan = read_plan_file(path)["placement"]
+        where = f"zinf.placement.plan_file {str(path)!r}"
+        remake = ("make a new plan with `zinf plan` from a profiled run of this model with these shard settings "
+                  "(zinf.chunk_size, zinf.shard_min_bytes) and precision")
+        names = [s.name for s in self.shards]
+        known = set(names)
+        unknown = [n for n in plan if n not in known]
+        if unknown:
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise ConfigError(f"{where} names shard {unknown[0]!r}{more}, which this model does not have; {remake}")
+        missing = [n for n in names if n not in plan]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ConfigError(f"{where} has no entry for shard {missing[0]!r}{more} of this model; {remake}")
+        out = []
+        for shard, default in zip(self.shards, static):
+            param, optim = plan[shard.name]["param"], plan[shard.name]["optim"]
+            if not shard.trainable and optim != "none":
+                raise ConfigError(f"{where} gives frozen shard {shard.name!r} (requires_grad=False) an optimizer home "
+                                  f"on {optim!r}; it has none: set its \"optim\" to \"none\" or {remake}")
+            if shard.trainable and optim == "none":
+                raise ConfigError(f"{where} gives trainable shard {shard.name!r} no optimizer home (\"none\"); "
+                                  f"use \"cpu\" or \"nvme\", or {remake}")
+            # a pinned home keeps its pin: static_placement already put it on the pinned tier
+            param_pinned = shard.pin is not None
+            optim_pinned = shard.trainable and self._optim_pins.tier_for_param(shard.members[0].name) is not None
+            for state, tier, pinned, section in (("param", param, param_pinned, "offload_param"),
+                                                 ("optim", optim, optim_pinned, "offload_optimizer")):
+                if pinned and tier != getattr(default, state):
+                    raise ConfigError(
+                        f"{where} puts the {state} home of shard {shard.name!r} on {tier!r}, but "
+                        f"zero_optimization.{section}.module_parameters pins it to {getattr(default, state)!r}; "
+                        f"remove that pin, or make the plan from a run with these pins (`zinf plan` keeps pinned homes)")
+            out.append(ShardPlacement(param, optim))
+        return out
 
     def _map_modules(self, model: nn.Module) -> dict[nn.Module, list[ShardState]]:
         """Module -> the shards of the parameters it directly owns (in first-member order)."""
