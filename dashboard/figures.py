@@ -137,7 +137,7 @@ def loss_figure(steps_df: pd.DataFrame) -> go.Figure:
     d = steps_df[["step", "loss"]].dropna().sort_values("step")
     fig = go.Figure(go.Scatter(x=d["step"], y=d["loss"], mode="lines+markers", name="loss",
                                hovertemplate="step %{x}<br>loss %{y:.4f}<extra></extra>"))
-    _layout(fig, "Training loss", "optimizer step", "loss (dimensionless, as passed to engine.backward)")
+    _layout(fig, "Training loss", "optimizer step", "loss (dimensionless)")
     if d.empty:
         _empty_note(fig, "no loss recorded")
     return fig
