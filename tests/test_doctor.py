@@ -188,3 +188,12 @@ def test_checks_on_tmpfs_follow_the_kernel(shm_dir):
     assert (r.status is Status.PASS) == probe_o_direct(shm_dir)
     fs = doctor.check_filesystem(shm_dir)
     assert "tmpfs" in fs.detail and fs.status is Status.WARN  # RAM, not an NVMe drive
+
+
+def test_cpu_threads_check_warns_when_torch_takes_every_core():
+    busy = doctor.check_cpu_threads(torch_threads=16, cores=16)
+    assert busy.status is Status.WARN and "OMP_NUM_THREADS=12" in busy.fix
+    assert doctor.check_cpu_threads(torch_threads=8, cores=16).status is Status.PASS
+    assert doctor.check_cpu_threads(torch_threads=2, cores=2).status is Status.PASS  # nothing to leave on 2 cores
+    names = [r.name for r in doctor.run_checks("/nonexistent-zinf", measure=False)]
+    assert "cpu threads" in names

@@ -13,6 +13,8 @@ The checklist (seed article, section 2, plus what zinf itself needs):
 * ``ulimit -l`` (RLIMIT_MEMLOCK), the limit on locked memory;
 * read and write bandwidth, measured (about a second): zinf's own path and a raw loop;
 * the disk's PCIe link (sysfs; what ``lspci -vv`` shows as LnkSta);
+* torch's CPU threads against the cores (an OpenMP team on every core is preempted by zinf's I/O
+  and profiler threads and waits for its slowest member);
 * the GPU and its PCIe link (``nvidia-smi``), with a pinned host-to-device copy where PyTorch
   sees CUDA.
 """
@@ -475,8 +477,32 @@ def run_checks(
         else:
             results.append(CheckResult("bandwidth", Status.SKIP, "skip: not measured (--no-measure)"))
         results.append(check_disk_link(path))
+    results.append(check_cpu_threads())
     results.append(check_gpu())
     return results
+
+
+def check_cpu_threads(torch_threads: int | None = None, cores: int | None = None) -> CheckResult:
+    """WARN when torch's intra-op threads (OpenMP) take every core this process may run on.
+
+    zinf runs its own threads beside the training thread (NVMe requests, write-behind, the
+    profiler's writer); a team on every core is then preempted and waits for its slowest member.
+    Measured on the H200 machine's 16 cores (benchmarks/RESULTS.md): profiler on / off 1.095 with
+    16 torch threads, 0.967 with 8, and 8 threads faster outright. It matters where the compute is
+    on the CPU (CPU training, the optimizer phase of a CPU device); GPU compute does not use them."""
+    import torch
+
+    torch_threads = torch.get_num_threads() if torch_threads is None else torch_threads
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    values = {"torch_threads": torch_threads, "cores": cores}
+    detail = f"torch uses {torch_threads} CPU thread(s) on {cores} core(s)"
+    if cores > 2 and torch_threads >= cores:
+        keep = max(1, cores - max(2, cores // 4))
+        return CheckResult("cpu threads", Status.WARN, detail + ": zinf's I/O and profiler threads will preempt its OpenMP team",
+                           f"leave cores to zinf: torch.set_num_threads({keep}) or OMP_NUM_THREADS={keep} "
+                           "(matters where compute or the optimizer runs on the CPU)", values)
+    return CheckResult("cpu threads", Status.PASS, detail, values=values)
 
 
 def exit_code(results: list[CheckResult]) -> int:
