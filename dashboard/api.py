@@ -222,7 +222,9 @@ class IoSampleRow(BaseModel):
     concurrency: float | None = None
 
 
-class PlanRow(BaseModel):
+class PlanFields(BaseModel):
+    """What a plan row of the profile says (shared by the plan history and one plan's detail)."""
+
     plan_id: int
     version: int
     created_step: int
@@ -234,24 +236,16 @@ class PlanRow(BaseModel):
     adopted: bool
     reason: Any = None
     assignments: int
+
+
+class PlanRow(PlanFields):
     measured_step_s: float | None = Field(None, description="median wall_s of the steps run under this plan (adopted ones)")
     measured_steps: int = 0
     migrated_bytes: int = 0
 
 
-class PlanDetail(BaseModel):
-    plan_id: int
+class PlanDetail(PlanFields):
     run_id: int
-    version: int
-    created_step: int
-    created_at: datetime | None = None
-    policy: str
-    dram_budget_bytes: int | None = None
-    predicted_step_s: float | None = None
-    predicted_gain_s: float | None = None
-    adopted: bool
-    reason: Any = None
-    assignments: int
 
 
 class AssignmentRow(BaseModel):

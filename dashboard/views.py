@@ -35,7 +35,7 @@ from sqlalchemy.engine import URL, Engine
 
 from planner.costmodel import CostModel
 from profiler import queries
-from profiler.export import config_summary, model_summary, runs_summary
+from profiler.export import _json_obj, config_summary, model_summary, runs_summary
 from profiler.store import open_readonly
 from zinf.errors import ProfileError, ZinfError
 
@@ -274,15 +274,6 @@ def hardware_summary(hw: Any) -> str:
         parts.append(f"{float(hw['dram_bytes']) / 1e9:.1f} GB DRAM")
     parts.append(str(hw["gpu"]) if hw.get("gpu") else "no GPU")
     return ", ".join(parts)
-
-
-def _json_obj(v: Any) -> Any:
-    if isinstance(v, str):
-        try:
-            return json.loads(v)
-        except ValueError:
-            return v
-    return v
 
 
 def records(df: pd.DataFrame, columns: list[str] | None = None) -> list[dict[str, Any]]:

@@ -290,12 +290,10 @@ class Workload:
         shards = queries.shards(url, run_id).sort_values("shard_index").reset_index(drop=True)
         if shards.empty:
             raise WorkloadError(f"run {run_id} has no shards recorded")
-        ss = queries.shard_steps(url, run_id, first_step=first, last_step=last)
         kwargs = {k: v for k, v in (("short_halflife_steps", short_halflife_steps), ("long_halflife_steps", long_halflife_steps),
                                     ("unstable_threshold", unstable_threshold)) if v is not None}
         rate_used = used if rate_steps is None else usable.tail(int(rate_steps))
-        if rate_steps is not None:
-            ss = queries.shard_steps(url, run_id, first_step=int(rate_used["step"].min()), last_step=last)
+        ss = queries.shard_steps(url, run_id, first_step=int(rate_used["step"].min()), last_step=last)
         rates = hotness.access_rates(ss, shards["name"].tolist(), steps=rate_used["step"].tolist(), **kwargs).set_index("shard")
         stats = queries.shard_access_stats(url, run_id, first_step=first, last_step=last).set_index("name")
 

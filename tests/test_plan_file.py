@@ -16,11 +16,12 @@ from zinf.cli import main
 from zinf.errors import BudgetError, ConfigError
 from zinf.models import build_model
 
-from conftest import SMALL_SHARDS, gpt_batches
+from conftest import gpt_batches
 from planner.whatif import WhatIf
 from profiler import queries
-from test_equivalence import OPT, train_plain
-from test_whatif import BATCH, PIN, STAGING, one_line, profiled_run
+from test_equivalence import train_plain
+from test_export import one_error_line
+from test_whatif import BATCH, PIN, one_line, profiled_run, tiny_gpt_config
 
 STEPS = 8
 TOL = 1e-6
@@ -39,18 +40,7 @@ def planned(tmp_path_factory):
 
 
 def engine_config(tmp_path: Path, plan_file, budget: int, pins=PIN) -> dict:
-    nvme = str(tmp_path / "nvme")
-    return {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "optimizer": OPT,
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": nvme, "module_parameters": pins},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "module_parameters": pins},
-        },
-        "zinf": {"device": "cpu", **SMALL_SHARDS, **STAGING, "dram_budget": budget,
-                 "placement": {"plan_file": str(plan_file)}},
-    }
+    return tiny_gpt_config(tmp_path, pins, dram_budget=budget, placement={"plan_file": str(plan_file)})
 
 
 def gpt():
@@ -148,26 +138,17 @@ def test_bad_plan_files_are_one_line_errors(planned, tmp_path):
 
 
 # ------------------------------------------------------------------------------ the CLI
-def cli_error(capsys, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
-
-
 def test_zinf_plan_cli_errors_and_force(planned, tmp_path, capsys):
     url, _, doc = planned
     out = tmp_path / "p.json"
     out.write_text("precious")
-    msg = cli_error(capsys, ["plan", "--db", url, "--dram-budget", "1GiB", "--out", str(out)])
+    msg = one_error_line(capsys, ["plan", "--db", url, "--dram-budget", "1GiB", "--out", str(out)])
     assert "--force" in msg and out.read_text() == "precious"
-    assert "--dram-budget" in cli_error(capsys, ["plan", "--db", url, "--dram-budget", "lots", "--out", str(tmp_path / "q.json")])
-    assert "below" in cli_error(capsys, ["plan", "--db", url, "--dram-budget", "1KiB", "--out", str(tmp_path / "q.json")])
-    assert "unknown run id 99" in cli_error(capsys, ["plan", "--db", url, "--run", "99", "--dram-budget", "1GiB",
+    assert "--dram-budget" in one_error_line(capsys, ["plan", "--db", url, "--dram-budget", "lots", "--out", str(tmp_path / "q.json")])
+    assert "below" in one_error_line(capsys, ["plan", "--db", url, "--dram-budget", "1KiB", "--out", str(tmp_path / "q.json")])
+    assert "unknown run id 99" in one_error_line(capsys, ["plan", "--db", url, "--run", "99", "--dram-budget", "1GiB",
                                                      "--out", str(tmp_path / "q.json")])
-    assert "is a directory" in cli_error(capsys, ["plan", "--db", url, "--dram-budget", "1GiB", "--out", str(tmp_path)])
+    assert "is a directory" in one_error_line(capsys, ["plan", "--db", url, "--dram-budget", "1GiB", "--out", str(tmp_path)])
     assert not (tmp_path / "q.json").exists()
     assert main(["plan", "--db", url, "--dram-budget", "1GiB", "--out", str(out), "--force"]) is None
     printed = capsys.readouterr().out

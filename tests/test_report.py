@@ -15,6 +15,7 @@ from zinf.planfile import read_plan_file
 
 from planner.whatif import WhatIf
 from profiler import queries
+from test_export import one_error_line
 from test_whatif import profiled_run
 
 SECTIONS = ("summary", "placement", "aio", "what-if", "deepspeed", "notes")
@@ -24,15 +25,6 @@ SECTIONS = ("summary", "placement", "aio", "what-if", "deepspeed", "notes")
 def profile(tmp_path_factory):
     url = profiled_run(tmp_path_factory.mktemp("report"))
     return url, WhatIf.from_profile(url)
-
-
-def cli_error(capsys, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 def check_self_contained(html: str) -> None:
@@ -86,13 +78,13 @@ def test_existing_files_are_kept_without_force(profile, tmp_path, capsys):
     url, wi = profile
     out = tmp_path / "r.html"
     out.write_text("precious")
-    msg = cli_error(capsys, ["report", "--db", url, "--out", str(out)])
+    msg = one_error_line(capsys, ["report", "--db", url, "--out", str(out)])
     assert "--force" in msg and out.read_text() == "precious"
     assert not (tmp_path / "plan.json").exists()
     # a plan.json in the way is kept too, unless --plan-out elsewhere or --force
     out2 = tmp_path / "new.html"
     (tmp_path / "plan.json").write_text("mine")
-    msg = cli_error(capsys, ["report", "--db", url, "--out", str(out2)])
+    msg = one_error_line(capsys, ["report", "--db", url, "--out", str(out2)])
     assert "plan.json" in msg and "--force" in msg and not out2.exists()
     assert (tmp_path / "plan.json").read_text() == "mine"
     # default budget: the run has no zinf.dram_budget, so the knee of the what-if curve
@@ -107,11 +99,11 @@ def test_existing_files_are_kept_without_force(profile, tmp_path, capsys):
 def test_report_cli_errors_are_one_line(profile, tmp_path, capsys):
     url, wi = profile
     out = str(tmp_path / "r.html")
-    assert "unknown run id 42" in cli_error(capsys, ["report", "--db", url, "--run", "42", "--out", out])
-    assert "--dram-budget" in cli_error(capsys, ["report", "--db", url, "--dram-budget", "much", "--out", out])
-    assert "below" in cli_error(capsys, ["report", "--db", url, "--dram-budget", "1%", "--out", out])
-    assert "is a directory" in cli_error(capsys, ["report", "--db", url, "--out", str(tmp_path)])
-    assert "does not exist" in cli_error(capsys, ["report", "--db", url, "--out", str(tmp_path / "no" / "r.html")])
+    assert "unknown run id 42" in one_error_line(capsys, ["report", "--db", url, "--run", "42", "--out", out])
+    assert "--dram-budget" in one_error_line(capsys, ["report", "--db", url, "--dram-budget", "much", "--out", out])
+    assert "below" in one_error_line(capsys, ["report", "--db", url, "--dram-budget", "1%", "--out", out])
+    assert "is a directory" in one_error_line(capsys, ["report", "--db", url, "--out", str(tmp_path)])
+    assert "does not exist" in one_error_line(capsys, ["report", "--db", url, "--out", str(tmp_path / "no" / "r.html")])
     missing = f"sqlite:///{tmp_path / 'none.db'}"
-    cli_error(capsys, ["report", "--db", missing, "--out", out])
+    one_error_line(capsys, ["report", "--db", missing, "--out", out])
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing written on errors"

@@ -35,19 +35,25 @@ PIN = {"blocks.0": {"device": "cpu"}}  # both homes: the profile then times upda
 STAGING = {"staging_buffers": 2, "staging_buffer_size": "256KiB"}  # small beside the 17 MB model state
 
 
-def profile_config(workdir: Path, url: str) -> dict:
-    """The profiled run's config: state on NVMe, block 0 pinned to DRAM, small shards and staging."""
+def tiny_gpt_config(workdir: Path, pins=PIN, **zinf_keys) -> dict:
+    """State on NVMe under ``workdir``, ``pins`` on both homes, small shards and staging, plus
+    ``zinf_keys`` in the "zinf" section."""
     nvme = str(workdir / "nvme")
     return {
         "train_micro_batch_size_per_gpu": BATCH,
         "optimizer": OPT,
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": nvme, "module_parameters": PIN},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "module_parameters": PIN},
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "module_parameters": pins},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "module_parameters": pins},
         },
-        "zinf": {"device": "cpu", **SMALL_SHARDS, **STAGING, "profiler": {"enabled": True, "db": url}},
+        "zinf": {"device": "cpu", **SMALL_SHARDS, **STAGING, **zinf_keys},
     }
+
+
+def profile_config(workdir: Path, url: str) -> dict:
+    """The profiled run's config: state on NVMe, block 0 pinned to DRAM, small shards and staging."""
+    return tiny_gpt_config(workdir, profiler={"enabled": True, "db": url})
 
 
 def profiled_run(workdir: Path, steps: int = N_STEPS) -> str:
