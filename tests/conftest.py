@@ -40,7 +40,9 @@ def placement_config(kind: str, tmp_path, model=None) -> dict:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
     else:
         raise ValueError(kind)
-    return {"zero_optimization": zero, "zinf": dict(SMALL_SHARDS)}
+    # the CPU is the compute device of these tests, also on a machine with a GPU (tests/test_gpu.py
+    # runs the same cases on CUDA)
+    return {"zero_optimization": zero, "zinf": dict(SMALL_SHARDS, device="cpu")}
 
 
 PLACEMENTS = ["dram", "nvme", "max_in_cpu", "pins"]

@@ -705,6 +705,12 @@ class ZinfConfig(_Section):
     staging_buffers: int = Field(4, ge=1)
     """Number of staging buffers; with ``staging_buffer_size`` they count against ``dram_budget``."""
 
+    fused_optimizer: bool | None = None
+    """Run Adam/AdamW updates with torch's fused CPU kernel (one vectorised pass, several times
+    faster than the op-by-op arithmetic). None = on when the compute device is CUDA, off on the
+    CPU, where the op-by-op arithmetic matches ``torch.optim``'s default CPU path bit for bit
+    (the fused kernel differs from it by an ulp here and there)."""
+
     overlap_optimizer: bool = True
     """With ``gradient_clipping`` off, update each NVMe-resident shard as soon as its gradient is
     final, during backward, instead of writing the gradient to NVMe and reading it back in the

@@ -52,11 +52,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
+from torch.utils._pytree import tree_map_only
 
 from zinf import events as ev
 from zinf.config import Config, load_config
 from zinf.errors import BudgetError, ConfigError, CorruptShardError, ModelError
 from zinf.hardware import describe, rss_bytes
+from zinf.loss_scale import LossScaler
 from zinf.optim import OptimizerSpec, clip_coefficient
 from zinf.pins import PinSet
 from zinf.placement import (
@@ -95,11 +97,14 @@ class ParamState(enum.Enum):
     RESIDENT: the param tensors *are* (views of) the param home; nothing to fetch or free.
     FREED: the param tensors have zero-size storage; the data is only in the home.
     MATERIALISED: the param tensors hold a copy fetched from the home, freed when released.
+    PREFETCHED: (CUDA) the param tensors' upload was issued ahead of their use along the trace;
+    nobody uses them yet (the compute stream waits for the upload's event at the first use).
     """
 
     RESIDENT = "resident"
     FREED = "freed"
     MATERIALISED = "materialised"
+    PREFETCHED = "prefetched"
 
 
 @dataclass(eq=False)
@@ -116,11 +121,13 @@ class ShardState:
     has_moments: bool = False  # optimizer state exists (in DRAM or on NVMe)
     steps: list[int] = field(default_factory=list)  # optimizer steps taken, per member
     grad: Tensor | None = None  # flat fp32 gradient accumulator while in DRAM
+    grad_buffer: Tensor | None = None  # the accumulator kept between steps (optimizer home in DRAM)
     grad_on_nvme: bool = False  # the accumulated gradient of this window sits in the grad file
     grad_members: set[int] = field(default_factory=set)  # members with a gradient this window
     arrived_now: set[int] = field(default_factory=set)  # members whose grad arrived this backward
     grad_norms: dict[int, Tensor] = field(default_factory=dict)  # member -> 2-norm of its grad
     group_reads: dict[str, Future] | None = None  # optimizer group read ahead of its update
+    upload_event: object | None = None  # (CUDA) the event of the param upload not yet waited for
 
     @property
     def name(self) -> str:
@@ -146,10 +153,16 @@ class Engine:
         self.recorder = recorder or ev.NullRecorder()
         self.device = self._pick_device(cfg)
         self.dtype = cfg.compute_dtype
-        if cfg.fp16.enabled:
-            raise ConfigError("fp16 mixed precision (loss scaling) is not available yet; use \"bf16\": {\"enabled\": true} or fp32")
+        self._cuda = None  # host <-> device copies on side streams (zinf.cuda), with a CUDA device
+        if self.device.type == "cuda":
+            from zinf.cuda import Transfers
+
+            self._cuda = Transfers(self.device)
+        self.loss_scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None  # fp16 only
+        self.skipped_steps = 0  # optimizer steps skipped because an fp16 gradient overflowed
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
-        self.optimizer = OptimizerSpec.from_config(cfg.optimizer)
+        fused = cfg.zinf.fused_optimizer if cfg.zinf.fused_optimizer is not None else self.device.type == "cuda"
+        self.optimizer = OptimizerSpec.from_config(cfg.optimizer, fused=fused)
         self.global_steps = 0  # optimizer steps taken
         self.micro_steps = 0  # engine.step() calls
         self.plan_version = 0
@@ -180,12 +193,16 @@ class Engine:
         plan_file = cfg.zinf.placement.plan_file
         if plan_file is not None:  # a saved plan replaces what the offload devices and max_in_cpu say
             placements = self._placements_from_plan(plan_file, placements)
+        elif self._cuda is not None:
+            placements = self._persistent_on_gpu(placements)
         self.states = [ShardState(s, p, steps=[0] * len(s.members)) for s, p in zip(self.shards, placements)]
         self._state_by_name = {st.name: st for st in self.states}
         self._member_of: dict[int, tuple[ShardState, int]] = {
             id(m.param): (st, i) for st in self.states for i, m in enumerate(st.shard.members)
         }
         self._module_states = self._map_modules(model)
+        if self._cuda is not None:
+            self._buffers_to_device(model)
 
         # 2. refuse a budget the placement cannot meet, before touching any data; then size the
         #    overlap (prefetch window, optimizer read-ahead, writes in flight) from what is left
@@ -200,14 +217,22 @@ class Engine:
                               f"this budget with `zinf plan --dram-budget SIZE`") from None
         self.overlap = self._size_overlap(cfg.zinf.dram_budget)
         self.dram_need.overlap_bytes = self.overlap.total_bytes
+        self._check_gpu_budget()
         self._stats_lock = threading.Lock()
         self._buffers = BufferPool(max_free_bytes=self.overlap.total_bytes + self._largest_nvme_group_bytes(),
                                    pin=self.device.type == "cuda")
         self._prefetcher = self._new_prefetcher()
         self._writes = _WriteWindow(self.overlap.write_bytes)
-        self._eager = self._optimizer_worker() if self.overlap.eager else None
+        # With CUDA the CPU is free during backward: shards whose optimizer state is in DRAM are
+        # updated there too, as their gradients become final (same conditions as for NVMe shards).
+        self._eager_dram = (self._cuda is not None and cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0
+                            and not cfg.fp16.enabled)
+        self._eager = self._optimizer_worker() if self.overlap.eager or self._eager_dram else None
         self._eager_futures: list[Future] = []
         self._pass_held: set[ShardState] = set()  # chunks kept materialised until the pass ends
+        self._prefetched: set[ShardState] = set()  # (CUDA) uploaded ahead along the trace, not used yet
+        self._pending_grads: deque[tuple] = deque()  # (CUDA) gradient downloads not yet accumulated
+        self._pending_grad_bytes = 0
         self._pass_open = False  # a forward/backward pass is under way along the trace
 
         # 3. open NVMe stores, move every shard to its homes, free the model's own copies
@@ -235,6 +260,54 @@ class Engine:
         if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def _persistent_on_gpu(self, placements: list[ShardPlacement]) -> list[ShardPlacement]:
+        """With a CUDA device, shards made only of parameters smaller than
+        ``stage3_param_persistence_threshold`` elements stay on the GPU for the whole run (as
+        DeepSpeed keeps them): fetching biases and norms costs a transfer each for a few KiB.
+        Pinned homes keep their pin."""
+        threshold = self.config.zero_optimization.stage3_param_persistence_threshold
+        out = []
+        for shard, place in zip(self.shards, placements):
+            small = all(m.numel < threshold for m in shard.members)
+            out.append(ShardPlacement("gpu", place.optim) if small and shard.pin is None else place)
+        return out
+
+    def _buffers_to_device(self, model: nn.Module) -> None:
+        """Move the model's buffers (not parameters: those live in their homes) to the compute
+        device, as ``model.to(device)`` would."""
+        for mod in model.modules():
+            for name, buf in mod._buffers.items():
+                if buf is not None and buf.device != self.device:
+                    mod._buffers[name] = buf.to(self.device)
+
+    def gpu_need_bytes(self) -> int:
+        """Bytes of GPU memory the engine takes at most (0 without CUDA): resident param homes (the
+        ``gpu`` tier), the largest set of fetched params in use at once, the uploads issued ahead
+        along the trace, and gradients waiting for their download. Activations are the model's."""
+        if self._cuda is None:
+            return 0
+        resident = sum(self._nbytes(st)[0] for st in self.states if st.place.param == "gpu")
+        return resident + self._live_param_bound() + self._upload_ahead_bytes() + self._grad_download_cap()
+
+    def _upload_ahead_bytes(self) -> int:
+        """(CUDA) Bytes of parameters uploaded ahead of their use along the trace:
+        ``stage3_prefetch_bucket_size`` elements, DeepSpeed's GPU prefetch bucket."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.config.zero_optimization.stage3_prefetch_bucket_size * elem
+
+    def _check_gpu_budget(self) -> None:
+        budget = self.config.zinf.gpu_budget
+        need = self.gpu_need_bytes()
+        if budget is None or need <= budget:
+            return
+        raise BudgetError(
+            f"the placement needs up to {fmt_bytes(need)} of GPU memory for parameters and gradients (resident "
+            f"{fmt_bytes(need - self._live_param_bound() - self._upload_ahead_bytes() - self._grad_download_cap())}, "
+            f"in use at once {fmt_bytes(self._live_param_bound())}, uploaded ahead "
+            f"{fmt_bytes(self._upload_ahead_bytes())}, gradients being downloaded {fmt_bytes(self._grad_download_cap())}) but "
+            f"zinf.gpu_budget is {fmt_bytes(budget)}; raise gpu_budget, lower "
+            f"zero_optimization.stage3_param_persistence_threshold or stage3_prefetch_bucket_size")
 
     def _placements_from_plan(self, path: Path, static: list[ShardPlacement]) -> list[ShardPlacement]:
         """The placement a saved plan file gives (``zinf.placement.plan_file``, written by ``zinf
@@ -406,7 +479,8 @@ class Engine:
 
         write = grant(2 * group) if any_nvme_optim and off_opt.pipeline_write else 0
         read_ahead = grant(group) if any_nvme_optim and off_opt.pipeline_read else 0
-        eager_wanted = cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0 and any_nvme_optim
+        # (fp16: an update may run only once no gradient of the step overflowed, so none during backward)
+        eager_wanted = cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0 and any_nvme_optim and not cfg.fp16.enabled
         eager = grant(3 * group) if eager_wanted else 0  # two updates queued, one group read ahead
         prefetch = 0
         want = self._wanted_prefetch_bytes()  # the config's, or set_io_settings'
@@ -423,7 +497,8 @@ class Engine:
         elem_bytes = torch.empty((), dtype=self.dtype).element_size()
         prefetcher = Prefetcher(self._start_param_read, self._param_read_bytes, self._discard_read,
                                 window_bytes=self.overlap.prefetch_bytes,
-                                reuse_distance_bytes=self.config.zero_optimization.stage3_max_reuse_distance * elem_bytes)
+                                reuse_distance_bytes=self.config.zero_optimization.stage3_max_reuse_distance * elem_bytes,
+                                needs_read=lambda index: self.states[index].place.param == "nvme")
         if stats is not None:
             prefetcher.stats = stats
         return prefetcher
@@ -529,9 +604,14 @@ class Engine:
                     self._stores["param"].write(st.key("param"), flat.to(self.dtype))
             else:
                 home = flat.to(self.dtype) if self.dtype != torch.float32 else flat.clone()
-                st.param_home = home.to(self.device) if st.place.param == "gpu" else home
+                st.param_home = home.to(self.device) if st.place.param == "gpu" else self._host_param_home(home)
             self._point_params(st)
             del flat
+
+    def _host_param_home(self, t: Tensor) -> Tensor:
+        """A DRAM param home: page-locked with CUDA, so that uploads from it are asynchronous DMA
+        (pageable memory would be copied through a driver buffer, blocking the training thread)."""
+        return t.pin_memory() if self._cuda is not None and not t.is_pinned() else t
 
     def _point_params(self, st: ShardState) -> None:
         """Make the model's parameters of ``st`` views of its param home when that home is on
@@ -579,7 +659,7 @@ class Engine:
             for st in states:
                 self._acquire(st, "backward")
                 self._backward_held.append(st)
-                if self._eager is not None and len(st.shard.members) == 1 and st.place.optim == "nvme" \
+                if self.overlap.eager and len(st.shard.members) == 1 and st.place.optim == "nvme" \
                         and st.group_reads is None and st.shard.trainable and self._last_micro_batch():
                     # its update will run as soon as its gradient is final: read its optimizer
                     # group now, while the module's backward computes
@@ -613,6 +693,9 @@ class Engine:
                 self._emit_fetch(st, phase, st.place.param, 0, 0.0, 0.0)
             return
         st.refcount += 1
+        if st.param_state is ParamState.PREFETCHED:
+            self._use_prefetched(st, phase)
+            return
         if st.param_state is ParamState.MATERIALISED:
             if st.refcount == 1 and st.shard.index in self._prefetcher.kept:
                 self._prefetcher.reuse(st.shard.index)  # kept since its last use: no read
@@ -636,12 +719,10 @@ class Engine:
                 landed = entry.done_at_s[0] if entry is not None and entry.done_at_s else time.perf_counter()
                 fetch_s = landed - (entry.issued_at_s if entry is not None else t0)
             else:
+                if self._cuda is not None:
+                    self._prefetcher.take(shard.index)  # DRAM homes are in the trace too: uploads follow it
                 src, buffer = st.param_home, None
-            for m in shard.members:
-                m.param.untyped_storage().resize_(m.numel * m.param.element_size())
-                m.param.data.copy_(src[m.offset : m.offset + m.numel].view(m.shape))
-            if buffer is not None:
-                self._buffers.put(buffer)
+            self._fill(st, src, buffer, wait=True)
         st.param_state = ParamState.MATERIALISED
         stall_s = time.perf_counter() - t0
         if st.place.param != "nvme":
@@ -650,6 +731,73 @@ class Engine:
         self._step_timer.stall_s += stall_s
         if self.recorder.enabled:
             self._emit_fetch(st, phase, st.place.param, nbytes, fetch_s, stall_s)
+        if self._cuda is not None:
+            self._upload_ahead()
+
+    def _fill(self, st: ShardState, src: Tensor, buffer: Tensor | None, wait: bool) -> None:
+        """Give the shard's param tensors storage again and copy ``src`` (its flat param home, or
+        a pooled read of its file; ``buffer`` goes back to the pool when the copy is done). On the
+        CPU the copy is done on return. With CUDA it is an upload on the side stream: ``wait``
+        makes the compute stream wait for it now, else its event waits in ``st.upload_event``."""
+        for m in st.shard.members:
+            m.param.untyped_storage().resize_(m.numel * m.param.element_size())
+        pairs = [(m.param.data, src[m.offset : m.offset + m.numel].view(m.shape)) for m in st.shard.members]
+        if self._cuda is None:
+            for dst, part in pairs:
+                dst.copy_(part)
+            if buffer is not None:
+                self._buffers.put(buffer)
+            return
+        event = self._cuda.upload(pairs)
+        if buffer is not None:
+            self._cuda.after(event, lambda: self._buffers.put(buffer))
+        if wait:
+            self._cuda.use(event)
+        else:
+            st.upload_event = event
+
+    def _upload_ahead(self) -> None:
+        """(CUDA) Issue the uploads of the shards that come next along the trace, up to
+        :meth:`_upload_ahead_bytes` of them not used yet, so that they overlap the compute of the
+        modules before them. A shard on NVMe goes once its read has landed (uploads stay in
+        trace order: the first whose read is still in flight stops the walk)."""
+        pf = self._prefetcher
+        if pf.recording:
+            return
+        room = self._upload_ahead_bytes() - sum(self._nbytes(st)[0] for st in self._prefetched)
+        for j in range(pf.pos, len(pf.trace)):
+            st = self.states[pf.trace[j]]
+            if st.param_state is not ParamState.FREED:
+                continue  # in use, kept, or already uploaded
+            nbytes = self._nbytes(st)[0]
+            if nbytes > room:
+                return
+            if st.place.param == "nvme":
+                entry = pf.in_flight.get(st.shard.index)
+                if entry is None or not entry.future.done():
+                    return
+                pf.claim(st.shard.index)
+                src, buffer = entry.future.result(), entry.future.zinf_buffer
+            else:
+                src, buffer = st.param_home, None
+            self._fill(st, src, buffer, wait=False)
+            st.param_state = ParamState.PREFETCHED
+            self._prefetched.add(st)
+            room -= nbytes
+
+    def _use_prefetched(self, st: ShardState, phase: str) -> None:
+        """(CUDA) First use of a shard uploaded ahead: the compute stream waits for its upload
+        (the training thread does not), and the trace moves on."""
+        self._prefetched.discard(st)
+        self._prefetcher.take(st.shard.index)  # its read, if any, was claimed: counted as a hit
+        self._cuda.use(st.upload_event)
+        st.upload_event = None
+        st.param_state = ParamState.MATERIALISED
+        nbytes = self._nbytes(st)[0]
+        self._count("read", st.place.param, nbytes)
+        if self.recorder.enabled:
+            self._emit_fetch(st, phase, st.place.param, nbytes, 0.0, 0.0)
+        self._upload_ahead()
 
     def _param_read_bytes(self, index: int) -> int:
         return self._nbytes(self.states[index])[0]
@@ -687,6 +835,9 @@ class Engine:
         self._free(st)
 
     def _free(self, st: ShardState) -> None:
+        if st.upload_event is not None:  # uploaded ahead, never used: the copy must land before
+            self._cuda.use(st.upload_event)  # the compute stream may reuse its memory
+            st.upload_event = None
         for m in st.shard.members:
             m.param.untyped_storage().resize_(0)
         st.param_state = ParamState.FREED
@@ -701,20 +852,72 @@ class Engine:
             st = self.states[index]
             if st.refcount == 0 and st.param_state is ParamState.MATERIALISED:
                 self._free(st)
+        prefetched, self._prefetched = self._prefetched, set()
+        for st in prefetched:  # uploaded ahead for a use that did not come (the trace diverged)
+            self._free(st)
 
     # ------------------------------------------------------------------ gradients
     def _take_grad(self, st: ShardState, i: int, param: Tensor) -> None:
-        """Move a final gradient into the shard's fp32 accumulator and drop the device copy."""
+        """A gradient is final: it leaves the compute device now (into the shard's fp32
+        accumulator; with CUDA first into a pinned buffer, downloaded on the side stream)."""
         g = param.grad
         param.grad = None
         if g is None:
             return
+        if self._cuda is not None and g.device.type == "cuda":
+            self._download_grad(st, i, g)
+        else:
+            self._accumulate_grad(st, i, g)
+
+    def _download_grad(self, st: ShardState, i: int, g: Tensor) -> None:
+        """(CUDA) Start copying gradient ``g`` of member ``i`` to a pinned buffer on the side
+        stream; it is accumulated once the copy has landed (:meth:`_land_grads`). Downloads in
+        flight are capped (``_grad_download_cap``) so that pinned memory stays bounded."""
+        nbytes = g.numel() * g.element_size()
+        buffer = self._buffers.get(nbytes)
+        host = buffer[:nbytes].view(g.dtype)
+        event = self._cuda.download(g.reshape(-1), host)
+        self._pending_grads.append((event, st, i, host, buffer))
+        self._pending_grad_bytes += buffer.numel()
+        self._land_grads()
+
+    def _grad_download_cap(self) -> int:
+        """Bytes of gradient downloads that may be in flight (their device copies wait on the GPU
+        until the copy is done): two of the largest shard, at least 16 MiB (0.3 ms of copy at
+        50 GB/s: enough to keep the copy engine busy)."""
+        return max(16 << 20, 2 * max(st.shard.numel for st in self.states) * torch.empty((), dtype=self.dtype).element_size())
+
+    def _land_grads(self, block: bool = False) -> None:
+        """(CUDA) Accumulate the downloaded gradients whose copies have finished, in the order
+        they were issued; with ``block`` (end of backward) wait for all of them, and also wait
+        while more than :meth:`_grad_download_cap` bytes are in flight."""
+        cap = self._grad_download_cap()
+        while self._pending_grads:
+            event, st, i, host, buffer = self._pending_grads[0]
+            if not (block or self._pending_grad_bytes > cap or event.query()):
+                return
+            self._pending_grads.popleft()
+            t0 = time.perf_counter()
+            event.synchronize()
+            self._step_timer.stall_s += time.perf_counter() - t0
+            self._pending_grad_bytes -= buffer.numel()
+            m = st.shard.members[i]
+            self._accumulate_grad(st, i, host.view(m.shape))
+            self._buffers.put(buffer)
+
+    def _accumulate_grad(self, st: ShardState, i: int, g: Tensor) -> None:
+        """Add gradient ``g`` (on the CPU) of member ``i`` into the shard's fp32 accumulator; an
+        NVMe shard's accumulator is then written out, or the shard updated at once."""
         m = st.shard.members[i]
         with record_function("zinf.grad.offload"):
-            if st.grad is None:
+            if st.grad is None and st.grad_buffer is not None:
+                st.grad = st.grad_buffer  # a DRAM optimizer home keeps its accumulator between steps
+            elif st.grad is None:
                 # 4096-aligned: an NVMe gradient file is then written and read straight from
                 # and into it (O_DIRECT), not through a staging copy
                 st.grad = aligned_empty(st.shard.numel * 4).view(torch.float32)[: st.shard.numel]
+                if st.place.optim != "nvme":  # fresh pages cost a page fault each: reuse them
+                    st.grad_buffer = st.grad
                 if st.grad_on_nvme:  # earlier micro-batches of this window left their sum on NVMe
                     t0 = time.perf_counter()
                     self._read_optim(st, "grad", out=st.grad)
@@ -723,18 +926,20 @@ class Engine:
                     if self.recorder.enabled:
                         self._emit_transfer(st, "grad", "read", "nvme", st.shard.numel * 4, waited)
             view = st.grad[m.offset : m.offset + m.numel].view(m.shape)
-            g = g.to("cpu", torch.float32) if (g.device.type != "cpu" or g.dtype != torch.float32) else g
+            g = g.to("cpu") if g.device.type != "cpu" else g
             if i in st.grad_members:
-                view.add_(g)
+                view.add_(g)  # in fp32 whatever g's dtype (type promotion), no fp32 copy of g
             else:
                 view.copy_(g)
             st.grad_members.add(i)
             st.arrived_now.add(i)
             if st.place.optim == "nvme" and len(st.shard.members) == 1:
-                if self._eager is not None and self._last_micro_batch():
+                if self.overlap.eager and self._last_micro_batch():
                     self._update_during_backward(st)
                 else:
                     self._spill_grad(st)
+            elif self._eager_dram and len(st.shard.members) == 1 and self._last_micro_batch():
+                self._update_during_backward(st)
 
     def _last_micro_batch(self) -> bool:
         """Whether the backward running now ends a gradient-accumulation window."""
@@ -745,7 +950,9 @@ class Engine:
         worker, while backward goes on. Waits (a stall) when two updates are already queued."""
         st.arrived_now.clear()
         group, st.group_reads = st.group_reads, None
-        if group is None or (st.grad is None and "grad" not in group):
+        if st.place.optim != "nvme":
+            group = None  # DRAM homes: nothing to read
+        elif group is None or (st.grad is None and "grad" not in group):
             group = self._read_group_async(st)
         while len(self._eager_futures) >= 2:
             t0 = time.perf_counter()
@@ -766,16 +973,20 @@ class Engine:
             self._emit_transfer(st, "grad", "write", "nvme", grad.numel() * 4, 0.0)
 
     def _finish_backward(self) -> None:
+        if self._cuda is not None:
+            self._land_grads(block=True)
         for st in self._backward_held:
             self._release(st)
         self._backward_held = []
         for st in self.states:
             # gradients that arrived and still sit in DRAM (chunks wait for the end of backward)
             if st.place.optim == "nvme" and st.arrived_now:
-                if self._eager is not None and self._last_micro_batch():
+                if self.overlap.eager and self._last_micro_batch():
                     self._update_during_backward(st)  # a chunk: final once backward is over
                 else:
                     self._spill_grad(st)
+            elif self._eager_dram and st.arrived_now and self._last_micro_batch():
+                self._update_during_backward(st)
             st.arrived_now.clear()
         self._free_kept()
         self._prefetcher.end_recording()
@@ -862,6 +1073,9 @@ class Engine:
         self._pass_open = True
         if torch.is_grad_enabled():
             self._window_open = True  # a backward may follow: no migration until the step ends
+        if self._cuda is not None:  # inputs on the CPU go to the compute device, like the params
+            args, kwargs = tree_map_only(
+                Tensor, lambda t: t.to(self.device, non_blocking=True) if t.device.type == "cpu" else t, (args, kwargs))
         t0 = time.perf_counter()
         with record_function("zinf.forward"):
             out = self.module(*args, **kwargs)
@@ -881,6 +1095,10 @@ class Engine:
         self._window_open = True
         t0 = time.perf_counter()
         scaled = loss / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
+        if self.loss_scaler is not None:
+            # fp16: keep small gradients from underflowing. In fp32, as torch's GradScaler does: the
+            # scaled loss itself would overflow fp16 long before the gradients do.
+            scaled = scaled.float() * self.loss_scaler.scale
         self._backward_held = []
         self._in_backward = True
         try:
@@ -917,10 +1135,13 @@ class Engine:
         # no parameter read in flight may cross the update (it would see the old values)
         self._prefetcher.cancel()
         self._free_kept()
+        if self._cuda is not None:
+            self._cuda.synchronize()  # no upload may still read a param home the update rewrites
         self._wait_updates_during_backward()
         states = [st for st in self.states if st.grad_members]
         coef = None
-        if self.config.gradient_clipping > 0 and states:
+        scaler = self.loss_scaler
+        if (self.config.gradient_clipping > 0 or scaler is not None) and states:
             norms: list[tuple[int, Tensor]] = []
             for st in states:
                 for i in st.grad_members:
@@ -929,7 +1150,17 @@ class Engine:
                         st.grad_norms[i] = torch.linalg.vector_norm(st.grad[m.offset : m.offset + m.numel], 2.0)
                     norms.append((m.index, st.grad_norms[i]))
             norms.sort(key=lambda x: x[0])  # model order, as clip_grad_norm_ stacks them
-            coef = clip_coefficient([n for _, n in norms], self.config.gradient_clipping)
+            if scaler is not None:
+                if not all(bool(torch.isfinite(n)) for _, n in norms):
+                    self._skip_overflowed_step(states)
+                    return
+                # unscale: 1/scale is a power of two, so scaling norms and gradients is exact
+                unscale = 1.0 / scaler.scale
+                norms = [(k, n * unscale) for k, n in norms]
+                coef = torch.tensor(unscale)
+            if self.config.gradient_clipping > 0:
+                clip = clip_coefficient([n for _, n in norms], self.config.gradient_clipping)
+                coef = clip if coef is None else clip * coef
         # Pipelined over NVMe groups: the next group's read is in flight while this one is
         # updated, and write-backs run behind (self._writes) while later groups go on.
         read_ahead = self.overlap.read_ahead_bytes > 0
@@ -947,6 +1178,24 @@ class Engine:
                     if nxt is not None:
                         reads[nxt.shard.index] = self._read_group_async(nxt)
             self._update_shard(st, coef, reads.pop(st.shard.index, None))
+        if scaler is not None:
+            scaler.update(overflow=False)
+
+    def _skip_overflowed_step(self, states: list[ShardState]) -> None:
+        """fp16: some gradient is inf or NaN (the loss scale is too large). Drop this window's
+        gradients without touching parameters or optimizer state, and let the scale shrink."""
+        for st in states:
+            if st.grad_on_nvme:
+                self._stores["optim"].delete(st.key("grad"))
+            st.grad = None
+            st.grad_on_nvme = False
+            st.grad_members = set()
+            st.grad_norms = {}
+        self.skipped_steps += 1
+        before = self.loss_scaler.scale
+        self.loss_scaler.update(overflow=True)
+        log.info("fp16 gradient overflow at step %d: update skipped, loss scale %g -> %g",
+                 self.global_steps + 1, before, self.loss_scaler.scale)
 
     def _optimizer_worker(self) -> ThreadPoolExecutor:
         """The thread that runs updates during backward. With the CPU as the compute device the
@@ -1384,6 +1633,8 @@ class Engine:
                     self._write_verified(store, st.key(what), src)
                 else:
                     copies[what] = self._dram_copy(src, tier, fresh)
+                    if what == "param" and tier == "cpu":
+                        copies[what] = self._host_param_home(copies[what])
         except BaseException:
             for store, key in written:
                 try:
@@ -1441,6 +1692,8 @@ class Engine:
             st.group_reads = None
         old = st.place
         st.place = new
+        if new.optim == "nvme":
+            st.grad_buffer = None  # an NVMe optimizer home takes its accumulator from the pool
         dram = ("gpu", "cpu")
         if st.shard.trainable and old.optim != new.optim:
             if new.optim in dram:
@@ -1483,9 +1736,9 @@ class Engine:
         if max_free < self._buffers.max_free_bytes:
             self._buffers.clear()
         self._buffers.max_free_bytes = max_free
-        if self.overlap.eager and self._eager is None:
+        if (self.overlap.eager or self._eager_dram) and self._eager is None:
             self._eager = self._optimizer_worker()
-        elif not self.overlap.eager and self._eager is not None:
+        elif not (self.overlap.eager or self._eager_dram) and self._eager is not None:
             self._eager.shutdown(wait=True)
             self._eager = None
         if new_trace:
@@ -1524,7 +1777,7 @@ class Engine:
         total = 0
         seen: set[int] = set()
         for st in self.states:
-            for t in [st.param_home, st.master, st.grad, *st.moments.values()]:
+            for t in [st.param_home, st.master, st.grad, st.grad_buffer, *st.moments.values()]:
                 if t is not None and t.device.type == "cpu" and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     total += t.numel() * t.element_size()
@@ -1591,6 +1844,9 @@ class Engine:
         Raises the first error any of them met."""
         self._prefetcher.cancel()
         self._free_kept()
+        if self._cuda is not None:
+            self._land_grads(block=True)
+            self._cuda.synchronize()
         self._wait_updates_during_backward()
         self._writes.wait_all()
         for store in {id(s): s for s in self._stores.values()}.values():

@@ -29,11 +29,13 @@ class OptimizerSpec:
     dampening: float
     nesterov: bool
     amsgrad: bool
+    fused: bool = False  # Adam/AdamW through torch's fused CPU kernel (zinf.fused_optimizer)
 
     @classmethod
-    def from_config(cls, opt) -> "OptimizerSpec":
+    def from_config(cls, opt, fused: bool = False) -> "OptimizerSpec":
         p = opt.params
-        return cls(opt.type, p.lr, tuple(p.betas), p.eps, p.weight_decay, p.momentum, p.dampening, p.nesterov, p.amsgrad)
+        return cls(opt.type, p.lr, tuple(p.betas), p.eps, p.weight_decay, p.momentum, p.dampening, p.nesterov, p.amsgrad,
+                   fused=fused and opt.type in ("Adam", "AdamW"))
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -46,8 +48,23 @@ class OptimizerSpec:
         (1 on its first update); ``state`` holds views of its moments (zeros before step 1)."""
         if self.type == "SGD":
             self._sgd(param, grad, state, step)
+        elif self.fused:
+            self._fused_adam(param, grad, state, step)
         else:
             self._adam(param, grad, state, step)
+
+    def _fused_adam(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], step: int) -> None:
+        """torch's fused Adam/AdamW kernel (the functional API of ``torch.optim.Adam(fused=True)``),
+        which increments the step tensor itself."""
+        from torch.optim.adam import adam
+        from torch.optim.adamw import adamw
+
+        beta1, beta2 = self.betas
+        (adamw if self.type == "AdamW" else adam)(
+            [param], [grad], [state["exp_avg"]], [state["exp_avg_sq"]],
+            [state["max_exp_avg_sq"]] if self.amsgrad else [], [torch.tensor(float(step - 1))],
+            fused=True, amsgrad=self.amsgrad, beta1=beta1, beta2=beta2, lr=self.lr, weight_decay=self.weight_decay,
+            eps=self.eps, maximize=False)
 
     def _adam(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], step: int) -> None:
         beta1, beta2 = self.betas

@@ -79,12 +79,17 @@ class Prefetcher:
         discard: Callable[[Future], None],
         window_bytes: int,
         reuse_distance_bytes: int = 0,
+        needs_read: Callable[[int], bool] | None = None,
     ) -> None:
         self.start_read = start_read
         self.nbytes_of = nbytes_of
         self.discard = discard
         self.window_bytes = window_bytes
         self.reuse_distance_bytes = reuse_distance_bytes
+        # Whether a shard of the trace is read at all (with CUDA the trace also holds shards homed
+        # in DRAM, uploaded along it but never read from disk); None: every shard is.
+        self.needs_read = needs_read
+        self._claimed: set[int] = set()  # reads handed over by claim() before their shard's take
         self.recording = True
         self.trace: list[int] = []
         self._positions: dict[int, list[int]] = {}  # shard -> sorted positions in the trace
@@ -137,11 +142,25 @@ class Prefetcher:
         if entry is not None:
             self.in_flight_bytes -= entry.nbytes
             self.stats.hits += 1
-        elif self.enabled:
+        elif shard in self._claimed:  # its read was claimed ahead of this use: a hit
+            self._claimed.discard(shard)
+            self.stats.hits += 1
+        elif self.enabled and (self.needs_read is None or self.needs_read(shard)):
             self.stats.misses += 1
         self._locate(shard)
         self._drop_passed()
         self._issue()
+        return entry
+
+    def claim(self, shard: int) -> InFlight | None:
+        """Hand over ``shard``'s read (landed or not) ahead of its use: it leaves the window (the
+        engine has uploaded its data to the GPU); its :meth:`take` later moves along the trace and
+        counts as a hit. None when no read of it is in flight."""
+        entry = self.in_flight.pop(shard, None)
+        if entry is not None:
+            self.in_flight_bytes -= entry.nbytes
+            self._claimed.add(shard)
+            self._issue()
         return entry
 
     def keep(self, shard: int) -> bool:
@@ -193,6 +212,7 @@ class Prefetcher:
             self.stats.dropped += 1
         self.in_flight.clear()
         self.in_flight_bytes = 0
+        self._claimed.clear()
 
     def _drop_passed(self) -> None:
         passed = [s for s, e in self.in_flight.items() if e.position < self.pos - 1]
@@ -208,8 +228,10 @@ class Prefetcher:
         ahead_bytes = 0  # bytes of the trace ahead of pos covered so far, in flight or not
         for j in range(self.pos, len(self.trace)):
             shard = self.trace[j]
+            if self.needs_read is not None and not self.needs_read(shard):
+                continue
             nbytes = self.nbytes_of(shard)
-            if shard in self.in_flight or shard in self.kept:
+            if shard in self.in_flight or shard in self.kept or shard in self._claimed:
                 ahead_bytes += nbytes
                 continue
             if self._window_used() + nbytes > self.window_bytes or ahead_bytes + nbytes > 2 * self.window_bytes:
