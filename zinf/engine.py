@@ -228,7 +228,8 @@ class Engine:
         self._eager_dram = (self._cuda is not None and cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0
                             and not cfg.fp16.enabled)
         self._eager = self._optimizer_worker() if self.overlap.eager or self._eager_dram else None
-        self._eager_futures: list[Future] = []
+        self._eager_futures: list[Future] = []  # updates of NVMe groups queued (each holds its buffers)
+        self._eager_dram_futures: list[Future] = []  # updates of DRAM homes queued (hold nothing extra)
         self._pass_held: set[ShardState] = set()  # chunks kept materialised until the pass ends
         self._prefetched: set[ShardState] = set()  # (CUDA) uploaded ahead along the trace, not used yet
         self._pending_grads: deque[tuple] = deque()  # (CUDA) gradient downloads not yet accumulated
@@ -954,6 +955,9 @@ class Engine:
             group = None  # DRAM homes: nothing to read
         elif group is None or (st.grad is None and "grad" not in group):
             group = self._read_group_async(st)
+        if group is None:  # a DRAM home: nothing to bound, the training thread never waits for it
+            self._eager_dram_futures.append(self._eager.submit(self._update_shard, st, None, None))
+            return
         while len(self._eager_futures) >= 2:
             t0 = time.perf_counter()
             self._eager_futures.pop(0).result()
@@ -1205,7 +1209,8 @@ class Engine:
         return ThreadPoolExecutor(1, thread_name_prefix="zinf-optim", initializer=init)
 
     def _wait_updates_during_backward(self) -> None:
-        futures, self._eager_futures = self._eager_futures, []
+        futures, self._eager_futures = self._eager_futures + self._eager_dram_futures, []
+        self._eager_dram_futures = []
         for f in futures:
             f.result()
 
@@ -1804,7 +1809,8 @@ class Engine:
 
     def state_dict(self) -> dict[str, Tensor]:
         """{fully qualified name: fp32 master tensor} for every name of model.named_parameters(),
-        tied names included (they share one tensor)."""
+        tied names included (they share one tensor). A frozen parameter has no master: its value
+        is its working copy's (in bf16/fp16 runs, rounded to that precision at ``initialize``)."""
         self._check_open()
         self._drain()
         out: dict[str, Tensor] = {}

@@ -1,0 +1,58 @@
+"""The prefetcher on its own (zinf.prefetch): reads along the trace within the window, the shards
+it must not read (``needs_read``: with CUDA the trace also holds DRAM-homed shards) and reads
+handed over early (``claim``: the engine uploaded the shard to the GPU before its use)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from zinf.prefetch import Prefetcher
+
+
+def _prefetcher(window: int, needs_read=None):
+    started: list[int] = []
+    discarded: list[Future] = []
+
+    def start(shard: int) -> Future:
+        started.append(shard)
+        f = Future()
+        f.set_result(shard)
+        return f
+
+    pf = Prefetcher(start, lambda shard: 10, discarded.append, window_bytes=window, needs_read=needs_read)
+    for shard in range(6):  # the first pass records the trace
+        pf.take(shard)
+    pf.end_recording()
+    return pf, started, discarded
+
+
+def test_reads_only_the_shards_that_need_a_read():
+    pf, started, _ = _prefetcher(window=30, needs_read=lambda shard: shard % 2 == 0)
+    pf.begin_pass()
+    assert started == [0, 2, 4], "DRAM-homed shards (odd) are never read, and take no window"
+    for shard in range(6):
+        pf.take(shard)
+    assert pf.stats.misses == 0 and pf.stats.hits == 3
+
+
+def test_claimed_read_frees_the_window_and_counts_as_a_hit():
+    pf, started, discarded = _prefetcher(window=20)
+    pf.begin_pass()
+    assert started == [0, 1]  # two of 10 bytes fit
+    entry = pf.claim(1)
+    assert entry is not None and entry.future.result() == 1
+    assert 1 not in pf.in_flight and started == [0, 1, 2], "the claimed bytes leave the window: the next read starts"
+    assert pf.take(0) is not None
+    assert pf.take(1) is None, "a claimed read is not handed out twice"
+    assert pf.stats.hits == 2 and pf.stats.misses == 0
+    assert started.count(1) == 1, "a claimed shard is not read again"
+    assert pf.claim(5) is None  # nothing in flight for it
+
+
+def test_cancel_forgets_claims():
+    pf, started, _ = _prefetcher(window=20)
+    pf.begin_pass()
+    pf.claim(0)
+    pf.cancel()
+    pf.begin_pass()
+    assert started.count(0) == 2, "after a cancel (new pass) a claimed shard is read again"
