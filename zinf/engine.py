@@ -886,7 +886,11 @@ class Engine:
         """Bytes of gradient downloads that may be in flight (their device copies wait on the GPU
         until the copy is done): two of the largest shard, at least 16 MiB (0.3 ms of copy at
         50 GB/s: enough to keep the copy engine busy)."""
-        return max(16 << 20, 2 * max(st.shard.numel for st in self.states) * torch.empty((), dtype=self.dtype).element_size())
+        cap = getattr(self, "_grad_cap_bytes", None)
+        if cap is None:  # shards never change size: computed once (this runs for every gradient)
+            largest = max(st.shard.numel for st in self.states) * torch.empty((), dtype=self.dtype).element_size()
+            cap = self._grad_cap_bytes = max(16 << 20, 2 * largest)
+        return cap
 
     def _land_grads(self, block: bool = False) -> None:
         """(CUDA) Accumulate the downloaded gradients whose copies have finished, in the order
