@@ -1,30 +1,73 @@
 """Every step's time of the planner benchmark's dense GPT at a 20% DRAM budget under three set-ups,
 one after another: static ``max_in_cpu``, the same with the profiler recording, and adaptive
 (starting from ``max_in_cpu``, re-planning every 8 steps). A ``*`` marks a step during which the
-engine's plan version changed. Says whether adaptive's cost is the profiler, the planning steps or
-something that grows over the run.
+engine's plan version changed, a ``p`` one after which the controller planned; the seconds the
+controller's ``after_step`` took are summed per run (the planning cost on the training thread).
+Says whether adaptive's cost is the profiler, the planning steps or something that grows over the run.
 
-    OMP_NUM_THREADS=8 python3 benchmarks/adaptive_steps_gpt20.py    # swap files under /tmp/diag
+    OMP_NUM_THREADS=8 python3 benchmarks/adaptive_steps_gpt20.py [--path /tmp/diag] [--budget 0.2] [--rounds 1]
 """
-import copy, sys, time, shutil, statistics
+import argparse, copy, sys, time, shutil, statistics
 from pathlib import Path
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import planner_policies as pp
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--path", type=Path, default=Path("/tmp/diag"), help="swap files go under it (removed at the end)")
+ap.add_argument("--budget", type=float, default=0.2, help="DRAM budget as a fraction of the training state")
+ap.add_argument("--rounds", type=int, default=1, help="rounds of the three set-ups (order rotated)")
+args = ap.parse_args()
 w = pp.make_workload("gpt", False)
-swap = Path("/tmp/diag"); shutil.rmtree(swap, ignore_errors=True); swap.mkdir()
-budget = int(0.2 * w.state_bytes)
+swap = args.path; shutil.rmtree(swap, ignore_errors=True); swap.mkdir(parents=True)
+budget = int(args.budget * w.state_bytes)
 n = pp.largest_max_in_cpu(w, swap, budget)
-def show(name, cfg):
-    d = swap / name; d.mkdir()
+medians: dict[str, list[float]] = {}
+
+
+def show(name, cfg, r):
+    d = swap / f"{name}-{r}"; d.mkdir()
     s = str(d); cfg["zero_optimization"]["offload_param"]["nvme_path"] = s; cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = s
     if "profiler" in cfg["zinf"]: cfg["zinf"]["profiler"]["db"] = f"sqlite:///{d}/profile.db"
-    t = time.time(); r = pp.train(w, cfg, 24, 32, need_controller=("placement" in cfg["zinf"]))
-    versions = [v for _, _, v in r.per_step]
-    per = [f"{dt:.2f}{'*' if i and v != versions[i - 1] else ''}" for i, (_, dt, v) in enumerate(r.per_step)]
-    print(f"{name}: median measured {statistics.median(r.step_s):.3f} s; wall {time.time()-t:.0f} s", flush=True)
+    adaptive = "placement" in cfg["zinf"]
+    hook_s, planned = [], set()
+    if adaptive:  # time the controller's hook (planning runs in it, on the training thread)
+        from planner.controller import AdaptiveController
+        orig = AdaptiveController.after_step
+
+        def timed(self, engine):
+            t0 = time.perf_counter()
+            try:
+                return orig(self, engine)
+            finally:
+                hook_s.append(time.perf_counter() - t0)
+                if self.last_plan_step == engine.global_steps:
+                    planned.add(engine.global_steps - 1)  # pp.train counts steps from 0
+        AdaptiveController.after_step = timed
+    t = time.time()
+    try:
+        run = pp.train(w, cfg, 24, 32, need_controller=adaptive)
+    finally:
+        if adaptive:
+            AdaptiveController.after_step = orig
+    versions = [v for _, _, v in run.per_step]
+    per = [f"{dt:.2f}{'*' if i and v != versions[i - 1] else ''}{'p' if i in planned else ''}"
+           for i, (_, dt, v) in enumerate(run.per_step)]
+    med = statistics.median(run.step_s)
+    medians.setdefault(name, []).append(med)
+    extra = f"; controller hook {sum(hook_s):.2f} s over {len(hook_s)} steps ({len(planned)} plans)" if adaptive else ""
+    print(f"{name}: median measured {med:.3f} s; wall {time.time()-t:.0f} s{extra}", flush=True)
     print("  " + " ".join(per), flush=True)
+
+
 static = pp.policy_config(w, "max_in_cpu", swap, budget, max_in_cpu=n)
-show("static", copy.deepcopy(static))
 prof = copy.deepcopy(static); prof["zinf"]["profiler"] = {"enabled": True, "db": "x"}
-show("static_profiled", prof)
-show("adaptive", pp.policy_config(w, "adaptive", swap, budget, max_in_cpu=n, replan_every=8))
+setups = [("static", static), ("static_profiled", prof),
+          ("adaptive", pp.policy_config(w, "adaptive", swap, budget, max_in_cpu=n, replan_every=8))]
+try:
+    for r in range(args.rounds):
+        for name, cfg in setups[r % 3:] + setups[:r % 3]:
+            show(name, copy.deepcopy(cfg), r)
+    print("medians of the 32 measured steps per round: " + "; ".join(
+        f"{k} {' / '.join(f'{m:.3f}' for m in v)}" for k, v in medians.items()))
+finally:
+    shutil.rmtree(swap, ignore_errors=True)

@@ -238,6 +238,9 @@ class Run:
     # placement had landed (no migration in it, no plan made after it), the bytes each adopted
     # plan migrated, and the homes sent back within a few plans (the policy's ping-pong count)
     pred_err: list[float] = field(default_factory=list)
+    # the same steps as (prediction, measured step s): the error of each prediction against the
+    # median of the steps it predicted (a step-time model predicts the typical step, not each one)
+    pred_pairs: list[tuple[float, float]] = field(default_factory=list)
     plan_moved_bytes: list[int] = field(default_factory=list)
     pingpong: int = 0
     shards: int = 0
@@ -249,6 +252,7 @@ class Run:
     steady_pingpong: int = 0
     plan_err: list[float] = field(default_factory=list)
     plans_seen: int = 0  # the controller's plans_made already folded into replan_moved_bytes
+    not_solved: int = 0  # re-plans in the measured steps not solved again (nothing had changed)
 
 
 def dram_homes(engine) -> str:
@@ -272,11 +276,12 @@ def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller
             return Run("unavailable", "engine has no placement controller (engine.controller)")
         micro = 0
         prediction, versions_before = None, engine.plan_version
-        pingpong_before = verified_before = 0
+        pingpong_before = verified_before = skipped_before = 0
         for step in range(warmup + steps):
             if need_controller and step == warmup:  # the steady state starts here
                 c = engine.controller
                 run.plans_seen, pingpong_before, verified_before = c.plans_made, c.policy.pingpong_total, len(c.verified)
+                skipped_before = getattr(c, "plans_skipped", 0)
             if drift_at is not None and step == drift_at:
                 new = set_routing(engine.module, seed=engine.module.config.routing_seed + 1)
                 run.note = f"set_routing(seed={new.routing_seed}) before step {step}"
@@ -304,6 +309,7 @@ def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller
             c = engine.controller
             run.pingpong = c.policy.pingpong_total
             run.steady_pingpong = c.policy.pingpong_total - pingpong_before
+            run.not_solved = getattr(c, "plans_skipped", 0) - skipped_before
             run.plan_err = [abs(v["predicted_s"] - v["measured_s"]) / v["measured_s"] for v in c.verified[verified_before:]]
     return run
 
@@ -328,6 +334,7 @@ def track_controller(engine, step_s: float, run: Run, prediction: float | None, 
     planned = c.last_plan_step == engine.global_steps
     if prediction is not None and not moved and not planned and not c.migrating:
         run.pred_err.append(abs(prediction - step_s) / step_s)
+        run.pred_pairs.append((prediction, step_s))
 
 
 # ------------------------------------------------------------------ the sweep
@@ -363,6 +370,20 @@ class Cell:
         """Median |predicted - measured| / measured step time (adaptive; steps whose placement had landed)."""
         e = [x for r in self.runs for x in r.pred_err]
         return statistics.median(e) if e else None
+
+    @property
+    def pred_err_of_median(self) -> float | None:
+        """|prediction - median of the steps it was in force for| / that median, per prediction
+        (per run), the median over the steps (each prediction weighted by its steps)."""
+        errs: list[float] = []
+        for r in self.runs:
+            by_pred: dict[float, list[float]] = {}
+            for pred, t in r.pred_pairs:
+                by_pred.setdefault(pred, []).append(t)
+            for pred, ts in by_pred.items():
+                med = statistics.median(ts)
+                errs += [abs(pred - med) / med] * len(ts)
+        return statistics.median(errs) if errs else None
 
     def churn(self, budget_bytes: int) -> tuple[int, float] | None:
         """Steady state: (re-plans made in the measured steps, the most bytes one of them
@@ -446,8 +467,10 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
             if p == "adaptive" and cell.status == "ok":
                 churn, plan_err = cell.churn(int(b * w.state_bytes)), cell.plan_err
                 note = "; ".join([
-                    f"pred err {cell.pred_err:.1%}" if cell.pred_err is not None else "pred err -",
-                    f"{churn[0]} re-plans, {sum(len(r.plan_moved_bytes) for r in cell.runs)} adopted" if churn else "0 re-plans",
+                    (f"pred err {cell.pred_err:.1%} (of the median {cell.pred_err_of_median:.1%})"
+                     if cell.pred_err is not None else "pred err -"),
+                    (f"{churn[0]} re-plans ({sum(r.not_solved for r in cell.runs)} not re-solved), "
+                     f"{sum(len(r.plan_moved_bytes) for r in cell.runs)} adopted") if churn else "0 re-plans",
                     f"churn max {churn[1]:.1%} of budget" if churn else "churn -",
                     f"ping-pong {cell.pingpong:.1%} ({cell.pingpong_whole_runs:.1%} whole runs)",
                     f"plan err {plan_err[1]:.1%} (n={plan_err[0]})" if plan_err else "plan err -",
@@ -462,7 +485,9 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
                   f"{cell.nvme_bytes / 1e6:13.1f} {cell.runs[-1].dram_homes:>11}  {note}")
     print("(step_s: median optimizer-step seconds; mean_s: their mean, re-plan and migration steps included; vs_best: step_s / best static policy's, < 1 = faster; "
           "dram_homes: param+optim homes in DRAM / shards, at the end of the last run; adaptive, over the measured steps (the steady state): "
-          "pred err = median |predicted - measured| / measured of the steps whose placement had landed, re-plans made and adopted, churn max = "
+          "pred err = median |predicted - measured| / measured of the steps whose placement had landed (of the median: each prediction against "
+          "the median of the steps it was in force for), re-plans made (of which not re-solved: "
+          "nothing had changed since the last plan solved) and adopted, churn max = "
           "the most bytes one re-plan migrated / DRAM budget, ping-pong = homes sent back within 3 plans / shards, plan err = median "
           "|predicted - measured| / measured of adopted plans once landed)")
 
@@ -520,6 +545,14 @@ def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[f
                 print(f"  {s:4d}  {dt:6.3f}  {version}{'   <- routing changed before this step' if s == args.drift_at else ''}")
 
 
+def load_average() -> str:
+    """The machine's 1/5/15-minute load average ("-" where the OS has none)."""
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "-"
+
+
 def describe_routing(w: Workload) -> str:
     """The measured expert load of the MoE workload: hottest experts and experts hit per step."""
     cfg = w.model.config
@@ -574,7 +607,8 @@ def main() -> None:
 
     fs = filesystem_of(args.path if args.path.exists() else args.path.parent)
     print(f"{time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({os.cpu_count()} cores), {fs.fstype} at {args.path}; "
-          f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} measured steps) per (budget, policy)")
+          f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} measured steps) per (budget, policy); "
+          f"load average {load_average()} (other work on the machine skews every number)")
     swap = args.path / f"planner-policies-{os.getpid()}"
     results: dict[str, dict[float, dict[str, Cell]]] = {}
     try:
@@ -591,6 +625,7 @@ def main() -> None:
     finally:
         shutil.rmtree(swap, ignore_errors=True)
 
+    print(f"\nload average at the end {load_average()} (1, 5, 15 min)")
     print("\nheadline (speed = best static step time / adaptive step time; > 1 = adaptive faster)")
     print(headline("skewed MoE", results.get("moe"), MOE_HEADLINE_BUDGET, MOE_TARGET_SPEEDUP))
     print(headline("dense GPT", results.get("gpt"), None, GPT_TARGET_SPEEDUP))

@@ -20,6 +20,16 @@ optimizer step the engine asks it for moves:
    * records the plan (adopted or not, with the policy's reasons) through the recorder
      (``plans``, ``plan_assignments``), and returns the moves of an adopted plan.
 
+   What it has measured steers the next plans: an adopted plan, once landed, is measured against
+   the newest steps of the placement it replaced (and reverted if slower); the share of their
+   predicted gains that its plans realised (:attr:`AdaptiveController.gain_realised`, from plans
+   made from similar accesses) scales the next predicted gains and predictions; the steps' own
+   spread (:attr:`AdaptiveController.step_noise`) is the smallest gain worth a move; homes a
+   recent plan moved are not sent back while their accesses stay the same (the policy's
+   ping-pong hold); and a scheduled re-plan whose inputs have not changed since the last plan
+   solved (same placement, accesses and step) is recorded without solving again
+   (:meth:`AdaptiveController._unchanged`), which keeps a dense model's re-plan steps cheap.
+
 Nothing here may stop training: a plan that cannot be made (no NVMe samples yet, a budget the pins
 already fill) is skipped with one log line and retried at the next period.
 """
@@ -27,6 +37,7 @@ already fill) is skipped with one log line and retried at the next period.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -95,7 +106,21 @@ class ControllerSettings:
 
     error_plans: int = 4
     """Adopted plans whose measured outcome sets the model's error (:attr:`AdaptiveController.model_error`):
-    no plan predicted to gain less than that fraction of the step is adopted (0: ignore the error)."""
+    no plan predicted to gain less than that fraction of the step is adopted (0: ignore the error);
+    and the share of their predicted gains that they realised (:attr:`AdaptiveController.gain_realised`),
+    by which the next plans' predicted gains are scaled."""
+
+    unchanged_rate_change: float = 0.05
+    """A scheduled re-plan whose accesses per step differ from those of the last plan solved by
+    less than this (L1, relative), with the same placement in force (that plan was not adopted)
+    and a measured step within ``min_gain_fraction`` of its, is not solved again: the solver
+    would find the same plan and the policy refuse it again (a dense model's accesses never
+    change). It still reads the profile; what it saves is the cost model fit, the calibration and
+    the solves, ~2/3 of a re-plan's seconds on the training thread. 0: always solve."""
+
+    resolve_every_plans: int = 4
+    """Solve at least every this many scheduled re-plans even when nothing changed (the disk's
+    cost model is refitted from new samples then)."""
 
     policy: PolicySettings = field(default_factory=PolicySettings)
 
@@ -112,10 +137,11 @@ class _Check:
     """An adopted plan, to be measured once it has landed (and reverted if it made things worse)."""
 
     step: int  # the step it was made after
-    before_s: float  # measured median step of the placement it replaced
+    before_s: float  # measured median step of the placement it replaced (its newest steps)
     before: dict  # that placement, {home: tier}
-    predicted_s: float  # its own predicted step
+    predicted_s: float  # its own predicted step (the model's gain scaled by gain_realised)
     rates: "pd.Series"  # accesses per step per shard it was made from
+    model_gain_s: float = 0.0  # the gain per step the model predicted, unscaled
 
 
 def _assignments(placement: dict, target: dict, density: dict | None = None) -> list[dict]:
@@ -129,9 +155,15 @@ def _assignments(placement: dict, target: dict, density: dict | None = None) -> 
             for name, tiers in placement.items()]
 
 
-def _rates(workload: Workload) -> "pd.Series":
-    """Accesses per step of every shard (forward + backward + optimizer), by shard name."""
+def _rates(workload: Workload, which: str = "long") -> "pd.Series":
+    """Accesses per step of every shard (forward + backward + optimizer) under the ``which`` EWMA
+    ("long" or "short"; the planned columns where the workload has no such column), by shard
+    name. Plans compare the long ones: a drift plan is made from the short EWMA, whose difference
+    from the long one is mostly its own noise at a few tokens a step."""
     df = workload.shards
+    col = f"accesses_{which}"
+    if col in df:
+        return df[col].astype(float).set_axis(df["shard"])
     return (df["fwd_accesses_per_step"] + df["bwd_accesses_per_step"] + df["opt_accesses_per_step"]).set_axis(df["shard"])
 
 
@@ -170,17 +202,25 @@ class AdaptiveController:
         self._settled_step = 1
         self._last_plan_step = 0
         self._recent_s: deque[float] = deque(maxlen=max(1, self.settings.drift_steps, self.settings.verify_steps))
+        # the measured steps of the newest placements, one list per placement (newest last): their
+        # spread, each about its own placement's median, is what a revert test can tell apart
+        self._placement_s: deque[list[float]] = deque([[]], maxlen=8)
         self._verify: _Check | None = None  # the adopted plan whose landed placement is measured next
         self._failed: _Check | None = None  # the last plan reverted, until the accesses change
         self.plans_reverted = 0
         # every adopted plan once measured after it landed: the step it was made after, its
-        # predicted step, the measured median, and the placement's before it (seconds)
+        # predicted step, the measured median, and the placement's before it (seconds), and the
+        # gain per step the model predicted for it (unscaled)
         self.verified: list[dict] = []
         self._warned: set[str] = set()
         # Measured cost of this engine's migrations (seconds per byte moved, all overheads in),
         # from the reports of the moves it applied; None until one moved bytes.
         self.migration_s_per_byte: float | None = None
         self._seen_report = None
+        self.plans_skipped = 0  # scheduled re-plans not solved: nothing had changed
+        # the last plan solved: (accesses per step, measured step s, placement in force, adopted)
+        self._last_solved: tuple | None = None
+        self._skipped_in_row = 0
 
     # ------------------------------------------------------------------ what it is doing
     @property
@@ -201,6 +241,60 @@ class AdaptiveController:
         if not recent:
             return None
         return statistics.median(abs(v["predicted_s"] - v["measured_s"]) / v["measured_s"] for v in recent)
+
+    def gain_realised_for(self, rates: "pd.Series | None") -> float | None:
+        """:attr:`gain_realised` over the plans made from accesses like ``rates`` only (L1 change
+        below ``retry_rate_change``): what plans realised under other accesses (before a routing
+        change) says little about the next one, and a model that once realised nothing would
+        otherwise never move a home again."""
+        if rates is None:
+            return self.gain_realised
+        keep = [v for v in self.verified if v.get("rates") is None
+                or _rate_change(rates, v["rates"]) < self.settings.retry_rate_change]
+        return self._realised(keep)
+
+    @property
+    def gain_realised(self) -> float | None:
+        """The share of its predicted gains that the model's plans delivered: the median over the
+        last ``error_plans`` adopted plans (once measured) of (measured step before - measured
+        step after) / the gain per step the model predicted, each in [-1, 1], the median clipped
+        to [0, 1] (None before a plan with a predicted gain was measured). The controller scales
+        the next plans' predicted gains by it: a model that promised 40 ms and delivered nothing
+        stops moving homes for its next promise, and its predictions of the next plans' steps are
+        calibrated the same way. Never above 1: a model that under-promises is not trusted more."""
+        return self._realised(self.verified)
+
+    def _realised(self, verified: list[dict]) -> float | None:
+        if self.settings.error_plans <= 0:
+            return None
+        ratios = [max(-1.0, min(1.0, (v["before_s"] - v["measured_s"]) / v["model_gain_s"]))
+                  for v in verified[-self.settings.error_plans:] if v.get("model_gain_s", 0.0) > 0]
+        if not ratios:
+            return None
+        return max(0.0, min(1.0, statistics.median(ratios)))
+
+    @property
+    def step_noise(self) -> float | None:
+        """What the revert test can tell from noise, as a fraction of the step: the standard error
+        of the difference of two medians of ``verify_steps`` steps (before and after a plan),
+        from the spread of the newest ``window_steps`` measured steps (1.4826 x their median
+        absolute deviation, each step about the median of its own placement, placements of at
+        least 3 steps: a placement just landed has too few steps to say; a median's standard
+        error is 1.2533 sigma / sqrt(n)). None before 5 such steps. A plan whose
+        (realisation-scaled) gain is below it is not adopted: neither its success nor its failure
+        could be measured, and on the MoE's few-token steps (spread 15-25%) such plans moved a
+        quarter of the budget each, half of them reverted."""
+        deviations: list[float] = []
+        for xs in reversed(self._placement_s):
+            if len(deviations) >= self.settings.window_steps:
+                break
+            med = statistics.median(xs) if len(xs) >= 3 else 0.0
+            if med > 0:
+                deviations += [abs(x - med) / med for x in xs]
+        if len(deviations) < 5:
+            return None
+        sigma = 1.4826 * statistics.median(deviations)
+        return 1.2533 * sigma * math.sqrt(2.0 / self._verify_steps)
 
     @property
     def _verify_steps(self) -> int:
@@ -227,6 +321,7 @@ class AdaptiveController:
         # measured: the steps of the placement in force, less its first (it records the module trace again)
         if last and last.get("wall_s") is not None and self._target is None and step - 1 > self._settled_step:
             self._recent_s.append(float(last["wall_s"]))
+            self._placement_s[-1].append(float(last["wall_s"]))
         if self._target is not None:
             left = diff_moves(homes_of(engine.placement), self._target)
             if left:
@@ -234,6 +329,7 @@ class AdaptiveController:
             self._target = None  # the plan has landed: measure from here on
             self._settled_step = step
             self._recent_s.clear()
+            self._placement_s.append([])  # a new placement: its steps have their own median
         s = self.settings
         if self._verify is not None and s.revert_fraction is None:
             self._verify = None
@@ -241,9 +337,10 @@ class AdaptiveController:
             check, self._verify = self._verify, None
             measured = statistics.median(self._recent_s)
             self.verified.append({"step": check.step, "predicted_s": check.predicted_s, "measured_s": measured,
-                                  "before_s": check.before_s})
-            if measured > check.before_s * (1 + s.revert_fraction):
-                return self._revert(engine, step, check, measured)
+                                  "before_s": check.before_s, "model_gain_s": check.model_gain_s, "rates": check.rates})
+            failed = self._failed_by(check, measured)
+            if failed:
+                return self._revert(engine, step, check, measured, failed)
         if self._verify is not None:
             return None  # the plan in force is measured before the next one is made
         if step - self._settled_step < s.first_plan_after:
@@ -252,9 +349,13 @@ class AdaptiveController:
         if not drifted and step - self._last_plan_step < s.replan_every:
             return None
         self._last_plan_step = step
+        # the newest steps of the placement in force: what an adopted plan is judged against
+        # (not the planning window's, whose first steps may be the run's warm-up)
+        recent = list(self._recent_s)[-self._verify_steps:]
+        before_s = statistics.median(recent) if len(recent) >= s.drift_steps else None
         self._recent_s.clear()  # drift is judged on steps after this plan
         try:
-            return self._plan(engine, step, drifted)
+            return self._plan(engine, step, drifted, before_s)
         except _BudgetFull as e:  # the placement in force already fills the budget: normal
             self.last_skip = str(e)
             log.info("zinf planner: step %d: %s", step, e)
@@ -264,7 +365,7 @@ class AdaptiveController:
             return None
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, engine, step: int, drifted: bool = False) -> list[Move] | None:
+    def _plan(self, engine, step: int, drifted: bool = False, before_s: float | None = None) -> list[Move] | None:
         s = self.settings
         self.recorder.flush()
         run_id = self.recorder.run_id
@@ -284,6 +385,10 @@ class AdaptiveController:
                                          rate="short" if drifted else "long",
                                          long_halflife_steps=float(s.rate_halflife_periods * s.replan_every),
                                          short_halflife_steps=max(1.0, s.replan_every / 4))
+        if not drifted and self._unchanged(engine, workload):
+            self._record_unchanged(engine, step, workload)
+            return None
+        self._skipped_in_row = 0
         # the disk as it behaves lately (the samples of the rate window; a long run's whole
         # history would make every plan slower to fit than the last)
         cost = CostModel.from_db(self.url, run_id, first_step=max(1, step - s.rate_window_periods * s.replan_every))
@@ -310,14 +415,27 @@ class AdaptiveController:
         # chosen plan leaves room for (the engine re-sizes them from what the homes leave).
         current_step_s = now_sim.predict(current).step_s
         density = plan.density()
+        rates = _rates(workload)  # the long EWMA's, also after a drift: plans compare like with like
+        realised = self.gain_realised_for(rates)
+        noise = self.step_noise
+        # The smallest gain worth adopting: what a measurement can tell apart (min_gain_fraction,
+        # the steps' noise) and, until a plan's realised gain has calibrated the model's gains,
+        # the model's own error on its landed plans (after that the gains are scaled instead:
+        # holding the scaled gain to the unscaled model's error would count the error twice).
+        # min_gain_fraction 0 asks for every predicted gain (tests, a user who knows): no noise term.
+        floor = self.policy.settings.min_gain_fraction
+        min_gain = max(floor, (noise or 0.0) if floor > 0 else 0.0,
+                       (self.model_error or 0.0) if realised is None else 0.0)
         decision = self.policy.decide(
             current, plan.homes(), current_step_s=current_step_s,
             predict_step_s=lambda homes: sim.predict(homes).step_s,
             density=density, dram_bytes=plan.home_bytes(), dram_room_bytes=plan.room_bytes,
             migration_s=move_s, horizon_steps=s.replan_every * s.horizon_plans,
-            min_gain_fraction=max(self.policy.settings.min_gain_fraction, self.model_error or 0.0),
+            min_gain_fraction=min_gain,
+            gain_scale=1.0 if realised is None else realised,
+            # a home a recent plan moved goes back only if its own accesses changed since (ping-pong)
+            rates=rates.to_dict(),
         )
-        rates = _rates(workload)
         if decision.adopt and self._failed is not None:
             changed = _rate_change(rates, self._failed.rates)
             if changed < s.retry_rate_change:  # a drifting step alone is no reason: the same model would err again
@@ -328,11 +446,15 @@ class AdaptiveController:
                 self._failed = None
         self.plans_made += 1
         self.last_plan, self.last_decision = plan, decision
-        predicted_s = sim.predict(decision.placement).step_s
+        self._last_solved = (rates, float(workload.measured_step_s), dict(current), decision.adopt)
+        # the plan's step: the current one less the (scaled) gain; the model's own, unscaled
+        model_gain_s = current_step_s - sim.predict(decision.placement).step_s if decision.moves else 0.0
+        predicted_s = current_step_s - decision.gain_s_per_step
         reason = decision.as_reason() | {
             "current_step_s": current_step_s, "measured_step_s": workload.measured_step_s,
             "solver": plan.method, "solver_s": plan.solve_s, "note": plan.note, "trigger": "drift" if drifted else "schedule",
-            "model_error": self.model_error,
+            "model_error": self.model_error, "model_gain_s": model_gain_s, "step_noise": noise,
+            "min_gain_fraction": min_gain,
         }
         self.recorder.record_plan(
             self.plans_made, _assignments(engine.placement, decision.placement, density), policy="adaptive", created_step=step,
@@ -345,20 +467,68 @@ class AdaptiveController:
             self._predicted_step_s = current_step_s
             return None
         self.plans_adopted += 1
-        self.policy.adopted(decision, current)
+        self.policy.adopted(decision, current, rates.to_dict())
         engine.plan_version += 1
         self._target = decision.placement
         self._predicted_step_s = predicted_s
-        self._verify = _Check(step, float(workload.measured_step_s), dict(current), predicted_s, rates)
+        before = float(workload.measured_step_s) if before_s is None else before_s
+        self._verify = _Check(step, before, dict(current), predicted_s, rates, model_gain_s)
         return decision.moves
 
-    def _revert(self, engine, step: int, check: "_Check", measured_s: float) -> list[Move] | None:
+    def _record_unchanged(self, engine, step: int, workload: Workload) -> None:
+        """Record a scheduled re-plan that was not solved again (:meth:`_unchanged`): a plan that
+        keeps the current placement, with the last solved plan's scores and the reason."""
+        self.plans_skipped += 1
+        self._skipped_in_row += 1
+        self.plans_made += 1
+        why = (f"accesses, step time and placement as at the last plan solved: not solved again "
+               f"({self._skipped_in_row} in a row, at most {self.settings.resolve_every_plans - 1})")
+        density = self.last_plan.density() if self.last_plan is not None else None
+        predicted_s = self._predicted_step_s if self._predicted_step_s is not None else float(workload.measured_step_s)
+        self.recorder.record_plan(
+            self.plans_made, _assignments(engine.placement, {}, density), policy="adaptive", created_step=step,
+            dram_budget_bytes=self.dram_budget_bytes, predicted_step_s=predicted_s, predicted_gain_s=0.0,
+            adopted=False, reason={"adopt": False, "why": why, "moves": 0, "trigger": "schedule", "solved": False,
+                                   "measured_step_s": workload.measured_step_s})
+        log.info("zinf planner: step %d plan %d kept the current placement: %s", step, self.plans_made, why)
+
+    def _unchanged(self, engine, workload: Workload) -> bool:
+        """Whether a scheduled re-plan would only repeat the last plan solved: that plan was not
+        adopted and the placement is the same, the accesses per step (long EWMA) differ by less
+        than ``unchanged_rate_change`` and the measured step by less than ``min_gain_fraction``;
+        and fewer than ``resolve_every_plans`` re-plans in a row were skipped."""
+        s = self.settings
+        if s.unchanged_rate_change <= 0 or self._last_solved is None or self._skipped_in_row + 1 >= s.resolve_every_plans:
+            return False
+        rates, measured_s, placement, adopted = self._last_solved
+        if adopted or placement != homes_of(engine.placement):
+            return False
+        if abs(float(workload.measured_step_s) - measured_s) > self.policy.settings.min_gain_fraction * measured_s:
+            return False
+        return _rate_change(_rates(workload), rates) < s.unchanged_rate_change
+
+    def _failed_by(self, check: "_Check", measured_s: float) -> str | None:
+        """Why a landed plan is to be reverted, or None: measured slower than the placement it
+        replaced by more than ``revert_fraction``; or no faster at all although the model promised
+        a gain of at least ``revert_fraction`` and of the steps' noise (:attr:`step_noise`) - a
+        promise that far off is the model being wrong about this workload, not noise (the dense
+        GPT at 30-50%: a 7-30% promise, measured 0-4% slower, kept by the 5% band alone)."""
+        s = self.settings
+        before = check.before_s
+        if measured_s > before * (1 + s.revert_fraction):
+            return f"slower by more than {s.revert_fraction:.0%}"
+        promised = max(s.revert_fraction, self.step_noise or 0.0) * before
+        if measured_s >= before and check.model_gain_s >= promised:
+            return f"no faster, {check.model_gain_s * 1e3:.1f} ms/step promised"
+        return None
+
+    def _revert(self, engine, step: int, check: "_Check", measured_s: float, failed: str = "") -> list[Move] | None:
         """Go back to the placement a plan replaced: it measured ``measured_s`` against
         ``check.before_s`` before it (the model was wrong about this workload). Recorded as a plan
         of its own (adopted, trigger "revert"); its moves count as ping-pong."""
         moves = diff_moves(homes_of(engine.placement), check.before)
         why = (f"plan of step {check.step} measured {measured_s * 1e3:.1f} ms/step against {check.before_s * 1e3:.1f} "
-               f"before it (predicted {check.predicted_s * 1e3:.1f}): reverted")
+               f"before it (predicted {check.predicted_s * 1e3:.1f}; {failed}): reverted")
         self._failed = check
         self._predicted_step_s = check.before_s
         if not moves:

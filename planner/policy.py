@@ -20,7 +20,16 @@ noisy steps may be undone by the next one. The policy therefore decides, per can
    ``migration_bytes_per_step`` a step and defers the rest, which the controller re-issues.
 4. **Ping-pong.** A move that returns a home to the tier it left within the last
    ``pingpong_plans`` adopted plans is counted (:attr:`Decision.pingpong_moves`); it is recorded
-   with the plan so a user can see a policy that oscillates.
+   with the plan so a user can see a policy that oscillates. Such a move is held back
+   (``hold_pingpong``: the home stays where it is, as in the warm band) unless the home's own
+   accesses per step have changed by more than ``hold_rate_change`` since the plan that moved it
+   (``rates``; or the caller says all accesses have changed, ``accesses_changed``). With a few
+   tokens a step the hot set re-orders from period to period, and a move undone two plans later
+   has cost two migrations for nothing; a home whose accesses really changed (a new hot set)
+   goes where it now belongs.
+5. **Realised gains.** ``gain_scale`` (from the caller, who measured how much of its plans'
+   predicted gains landed) scales every predicted gain before the two tests above: a model that
+   has been optimistic stops proposing moves it cannot deliver.
 
 Homes are keyed ``(shard name, state)`` with state ``"param"`` or ``"optim"``; tiers are
 ``"cpu"`` (DRAM) and ``"nvme"``. Units: seconds (``_s``), bytes (``_bytes``).
@@ -58,6 +67,16 @@ class PolicySettings:
     pingpong_plans: int = 3
     """A home moved back to a tier it left within this many adopted plans counts as ping-pong."""
 
+    hold_pingpong: bool = True
+    """Hold back such moves (the home stays where it is) unless the home's accesses have changed."""
+
+    hold_rate_change: float = 0.5
+    """A home's accesses per step have changed when they differ from those at the plan that moved
+    it by more than this fraction of the larger of the two (and of ``hold_min_accesses``)."""
+
+    hold_min_accesses: float = 0.5
+    """Accesses per step below which a difference is noise (an expert hit 0 or 0.2 times a step)."""
+
 
 @dataclass
 class Decision:
@@ -72,6 +91,8 @@ class Decision:
     horizon_steps: int = 0
     kept_by_warm_band: int = 0
     pingpong_moves: int = 0
+    held_back: int = 0  # moves of the candidate undone because they would have been ping-pong
+    gain_scale: float = 1.0  # the factor the predicted gain was scaled by (realised / predicted)
 
     def as_reason(self) -> dict:
         """The JSON the controller stores in ``plans.reason``."""
@@ -79,7 +100,7 @@ class Decision:
             "adopt": self.adopt, "why": self.reason, "moves": len(self.moves),
             "gain_s_per_step": self.gain_s_per_step, "migration_s": self.migration_s,
             "horizon_steps": self.horizon_steps, "kept_by_warm_band": self.kept_by_warm_band,
-            "pingpong_moves": self.pingpong_moves,
+            "pingpong_moves": self.pingpong_moves, "held_back": self.held_back, "gain_scale": self.gain_scale,
         }
 
 
@@ -100,6 +121,8 @@ class PlacementPolicy:
     def __init__(self, settings: PolicySettings | None = None) -> None:
         self.settings = settings or PolicySettings()
         self._history: deque[dict[Home, str]] = deque(maxlen=max(1, self.settings.pingpong_plans))
+        # the accesses per step per shard each of those plans was made from (None: not given)
+        self._rates: deque[Mapping[str, float] | None] = deque(maxlen=max(1, self.settings.pingpong_plans))
         self.pingpong_total = 0
 
     def decide(
@@ -115,6 +138,9 @@ class PlacementPolicy:
         migration_s: Callable[[Move], float],
         horizon_steps: int,
         min_gain_fraction: float | None = None,
+        gain_scale: float = 1.0,
+        accesses_changed: bool = False,
+        rates: Mapping[str, float] | None = None,
     ) -> Decision:
         """Judge ``candidate`` against ``current`` (both ``{home: tier}``).
 
@@ -125,35 +151,49 @@ class PlacementPolicy:
         ``migration_s(move)``: predicted seconds of one move; ``horizon_steps``: steps left
         (or until the next re-plan window ends) over which a gain pays back;
         ``min_gain_fraction``: overrides the setting of that name (a controller that has
-        measured its model's error raises it to that error).
+        measured its model's error raises it to that error); ``gain_scale``: the fraction of
+        predicted gains that landed plans realised (1: trust the model), applied to the gain
+        before it is judged; ``accesses_changed``: the accesses per step have changed since the
+        last adopted plans, so any home may go back where it was (no ping-pong hold); ``rates``:
+        accesses per step per shard now, against which a home's accesses at the plan that moved
+        it are compared (without them, or without those, every return is held).
         """
         s = self.settings
         min_gain = s.min_gain_fraction if min_gain_fraction is None else min_gain_fraction
         target = self._warm_band(current, candidate, density, dram_bytes, dram_room_bytes)
         kept = sum(1 for h, t in candidate.items() if target.get(h) != t)
+        held = 0
+        if s.hold_pingpong and not accesses_changed and self._history:
+            target, held = self._hold_back(current, target, density, dram_bytes, dram_room_bytes, rates)
         moves = diff_moves(current, target)
         if not moves:
-            return Decision(False, "no home changes tier", [], dict(current), 0.0, 0.0, horizon_steps, kept)
+            why = "no home changes tier" + (f" ({held} moves held back: they would undo a recent plan)" if held else "")
+            return Decision(False, why, [], dict(current), 0.0, 0.0, horizon_steps, kept, held_back=held,
+                            gain_scale=gain_scale)
         plan_step_s = predict_step_s(target)
-        gain_s = current_step_s - plan_step_s
+        gain_s = (current_step_s - plan_step_s) * gain_scale
         cost_s = sum(migration_s(m) for m in moves)
         pingpong = self._pingpong(current, moves)
         base = dict(moves=moves, placement=target, gain_s_per_step=gain_s, migration_s=cost_s,
-                    horizon_steps=horizon_steps, kept_by_warm_band=kept, pingpong_moves=pingpong)
+                    horizon_steps=horizon_steps, kept_by_warm_band=kept, pingpong_moves=pingpong,
+                    held_back=held, gain_scale=gain_scale)
+        scaled = f" (x{gain_scale:.2f}: what landed plans realised)" if gain_scale != 1.0 else ""
         if gain_s < min_gain * current_step_s:
-            why = (f"predicted gain {gain_s * 1e3:.1f} ms/step is below {min_gain:.0%} "
+            why = (f"predicted gain {gain_s * 1e3:.1f} ms/step{scaled} is below {min_gain:.0%} "
                    f"of the {current_step_s * 1e3:.1f} ms step")
             return Decision(False, why, **base)
         if gain_s * horizon_steps <= s.margin * cost_s:
-            why = (f"gain {gain_s * 1e3:.1f} ms/step x {horizon_steps} steps does not beat "
+            why = (f"gain {gain_s * 1e3:.1f} ms/step{scaled} x {horizon_steps} steps does not beat "
                    f"{s.margin:g} x migration {cost_s * 1e3:.1f} ms")
             return Decision(False, why, **base)
-        return Decision(True, f"gain {gain_s * 1e3:.1f} ms/step x {horizon_steps} steps beats "
+        return Decision(True, f"gain {gain_s * 1e3:.1f} ms/step{scaled} x {horizon_steps} steps beats "
                         f"{s.margin:g} x migration {cost_s * 1e3:.1f} ms", **base)
 
-    def adopted(self, decision: Decision, before: Mapping[Home, str]) -> None:
-        """Remember an adopted plan (``before``: the placement it replaced) for ping-pong."""
+    def adopted(self, decision: Decision, before: Mapping[Home, str], rates: Mapping[str, float] | None = None) -> None:
+        """Remember an adopted plan (``before``: the placement it replaced; ``rates``: the accesses
+        per step per shard it was made from) for ping-pong."""
         self._history.append(dict(before))
+        self._rates.append(dict(rates) if rates is not None else None)
         self.pingpong_total += decision.pingpong_moves
 
     # -- helpers ---------------------------------------------------------------------------
@@ -191,6 +231,45 @@ class PlacementPolicy:
         if used > room_bytes:  # the warm band cannot be honoured within the budget: take the plan
             return dict(candidate)
         return target
+
+    def _changed(self, home: Home, dst: str, current, rates) -> bool:
+        """Whether ``home``'s accesses per step now (``rates``) differ from those of the newest
+        remembered plan that moved it away from ``dst`` by more than ``hold_rate_change``."""
+        if rates is None:
+            return False
+        s = self.settings
+        for past, then in zip(reversed(self._history), reversed(self._rates)):
+            if past.get(home) == dst and current.get(home) != dst:  # that plan moved it away
+                if then is None or home[0] not in then or home[0] not in rates:
+                    return False
+                a, b = float(then[home[0]]), float(rates[home[0]])
+                return abs(a - b) > s.hold_rate_change * max(a, b, s.hold_min_accesses)
+        return False
+
+    def _hold_back(self, current, target, density, dram_bytes, room_bytes, rates=None) -> tuple[dict[Home, str], int]:
+        """``target`` with every move that would be ping-pong undone (the home stays where it is)
+        unless the home's accesses have changed since (:meth:`_changed`), still within
+        ``room_bytes``: if homes held in DRAM overfill it, the least valuable of them are evicted
+        after all. Returns (target, moves held back)."""
+        held = dict(target)
+        back = {(m.shard, m.state) for m in diff_moves(current, target)
+                if self._pingpong(current, [m]) and not self._changed((m.shard, m.state), m.dst, current, rates)}
+        for home in back:
+            held[home] = current[home]
+        # a home's bytes alone over-count homes that share DRAM (a param aliasing its master):
+        # the target may be over room_bytes by this count; holding must not add to it
+        room_bytes = max(room_bytes, sum(dram_bytes.get(h, 0) for h, t in target.items() if t == "cpu"))
+        used = sum(dram_bytes.get(h, 0) for h, t in held.items() if t == "cpu")
+        if used > room_bytes:
+            in_dram = sorted((h for h in back if held[h] == "cpu"), key=lambda h: density.get(h, 0.0))
+            for home in in_dram:
+                if used <= room_bytes:
+                    break
+                held[home] = target[home]
+                used -= dram_bytes.get(home, 0)
+        if used > room_bytes:  # cannot be held within the budget: take the target as it was
+            return dict(target), 0
+        return held, sum(1 for h in back if held[h] != target[h])
 
     def _pingpong(self, current: Mapping[Home, str], moves: list[Move]) -> int:
         """Moves that send a home back to a tier it had in a recently replaced placement."""

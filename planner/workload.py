@@ -32,6 +32,9 @@ Shard table columns (units in the names; one row per shard, sorted by ``order``)
 ``param_tier``/``optim_tier`` the tiers when the profile was taken (``optim_tier`` "none" if frozen)
 ============================  ===================================================================
 
+A workload from a profile also has ``accesses_short`` and ``accesses_long``: all accesses per step
+under the short and the long EWMA, whichever ``rate`` filled the columns above.
+
 Step-level numbers (seconds per optimizer step unless said otherwise): ``compute_fwd_s`` and
 ``compute_bwd_s`` (measured phase seconds minus the stall inside them), ``update_s_per_elem`` and
 ``update_overhead_s`` (one optimizer update of a shard takes ``update_overhead_s + numel *
@@ -326,6 +329,11 @@ class Workload:
             "opt_accesses_per_step": pick("opt").reindex(names).clip(upper=1.0).to_numpy(),
             "unstable": rates["unstable"].reindex(names).to_numpy(),
             "compute_weight": shards["numel"].astype(float),
+            # all phases under each EWMA whichever ``rate`` fills the columns above: a planner
+            # comparing accesses across plans compares like with like (not a 2-step EWMA with a
+            # 16-step one, whose difference is mostly the short one's noise)
+            "accesses_short": rates["accesses_short"].reindex(names).to_numpy(),
+            "accesses_long": rates["accesses_long"].reindex(names).to_numpy(),
             "pin_param": [_pin(param_pins, m) for m in members],
             "pin_optim": [_pin(optim_pins, m) if t else None for m, t in zip(members, trainable)],
             "param_tier": stats["param_tier"].reindex(names).to_numpy(),

@@ -244,3 +244,122 @@ def test_the_models_error_is_the_median_miss_of_its_last_plans():
         c.verified.append({"step": 1, "predicted_s": predicted, "measured_s": measured, "before_s": 1.0})
     assert c.model_error == pytest.approx(0.1)  # the last three: 0.1, 0.1, 0.3
     assert AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(error_plans=0)).model_error is None
+
+
+def test_gain_realised_is_the_median_share_of_predicted_gains_that_landed():
+    """gain_realised: per measured plan (measured before - measured after) / the model's predicted
+    gain, in [-1, 1]; the median of the last error_plans, clipped to [0, 1]. Plans without a
+    predicted gain (none recorded, or <= 0) do not count."""
+    from planner.controller import AdaptiveController, ControllerSettings
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(error_plans=3))
+    assert c.gain_realised is None
+    c.verified.append({"step": 1, "predicted_s": 0.5, "measured_s": 1.0, "before_s": 1.2})  # no model_gain_s: skipped
+    assert c.gain_realised is None
+    # realised 0.2 of 0.4 predicted (0.5), then a plan that made it 0.1 s slower (-0.25), then 0.3 of 0.2 (1.5 -> 1)
+    for before, after, gain in ((1.2, 1.0, 0.4), (1.0, 1.1, 0.4), (1.0, 0.7, 0.2)):
+        c.verified.append({"step": 1, "predicted_s": before - gain, "measured_s": after, "before_s": before,
+                           "model_gain_s": gain})
+    assert c.gain_realised == pytest.approx(0.5)  # median of 0.5, -0.25, 1.0
+    c.verified.append({"step": 1, "predicted_s": 0.6, "measured_s": 1.3, "before_s": 1.0, "model_gain_s": 0.4})
+    assert c.gain_realised == 0.0  # median of -0.25, 1.0, -0.75 is below 0: no gain is trusted
+    assert AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(error_plans=0)).gain_realised is None
+
+
+def _wl(rates: dict, measured_s: float):
+    """A stand-in workload: the long-EWMA accesses per step by shard and a measured step."""
+    import pandas as pd
+    from types import SimpleNamespace
+
+    shards = pd.DataFrame({"shard": list(rates), "accesses_long": list(rates.values()),
+                           "accesses_short": list(rates.values())})
+    return SimpleNamespace(shards=shards, measured_step_s=measured_s)
+
+
+def test_a_scheduled_replan_with_nothing_changed_is_not_solved_again():
+    """_unchanged: same placement as the last (refused) plan, accesses within 5% (L1), step within
+    min_gain_fraction - but never more than resolve_every_plans - 1 skips in a row, never after an
+    adopted plan."""
+    from types import SimpleNamespace
+
+    from planner.controller import AdaptiveController, ControllerSettings
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(resolve_every_plans=3))
+    engine = SimpleNamespace(placement={"a": {"param": "cpu", "optim": "nvme"}, "b": {"param": "nvme", "optim": "nvme"}})
+    homes = {("a", "param"): "cpu", ("a", "optim"): "nvme", ("b", "param"): "nvme", ("b", "optim"): "nvme"}
+    import pandas as pd
+
+    base = pd.Series({"a": 4.0, "b": 4.0})
+    assert not c._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.0))  # nothing solved yet
+    c._last_solved = (base, 1.0, homes, False)
+    assert c._unchanged(engine, _wl({"a": 4.1, "b": 4.0}, 1.02))  # 1.25% of the accesses, 2% of the step
+    assert not c._unchanged(engine, _wl({"a": 4.5, "b": 4.0}, 1.0))  # 6% of the accesses moved
+    assert not c._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.1))  # the step is 10% slower
+    c._skipped_in_row = 2  # a third skip in a row: solve (the cost model is refitted)
+    assert not c._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.0))
+    c._skipped_in_row = 0
+    c._last_solved = (base, 1.0, homes, True)  # that plan was adopted: the placement is new
+    assert not c._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.0))
+    c._last_solved = (base, 1.0, homes | {("b", "param"): "cpu"}, False)  # placement changed since
+    assert not c._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.0))
+    off = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(unchanged_rate_change=0))
+    off._last_solved = (base, 1.0, homes, False)
+    assert not off._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.0))
+
+
+def test_step_noise_is_the_standard_error_of_a_revert_tests_difference():
+    """step_noise: 1.2533 x (1.4826 x MAD / median) x sqrt(2 / verify_steps) of the steps of the
+    placement in force; None before 5 steps."""
+    import math
+
+    from planner.controller import AdaptiveController, ControllerSettings
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(verify_steps=5, replan_every=8))
+    for x in (1.0, 1.1, 0.9, 1.0):
+        c._placement_s[-1].append(x)
+    assert c.step_noise is None
+    c._placement_s[-1].append(1.2)  # median 1.0, |deviations| 0, .1, .1, 0, .2 -> MAD 0.1
+    assert c.step_noise == pytest.approx(1.2533 * 1.4826 * 0.1 * math.sqrt(2 / 5))
+    # a new placement twice as slow: its steps count about its own median (not the old one's)
+    c._placement_s.append([2.0, 2.0])
+    assert c.step_noise == pytest.approx(1.2533 * 1.4826 * 0.1 * math.sqrt(2 / 5))  # 2 steps: too few to count
+    c._placement_s[-1] += [2.0, 2.0, 2.0, 2.0]  # 6 deviations of 0 and the 5 above: MAD 0
+    assert c.step_noise == 0.0
+    steady = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings())
+    steady._placement_s[-1] += [0.5] * 8
+    assert steady.step_noise == 0.0
+
+
+def test_realised_gains_under_other_accesses_are_not_used():
+    """gain_realised_for(rates): only plans made from accesses within retry_rate_change (L1) of
+    ``rates`` count: a model that realised nothing before a routing change may move homes after it."""
+    import pandas as pd
+
+    from planner.controller import AdaptiveController, ControllerSettings
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(retry_rate_change=0.25))
+    old = pd.Series({"a": 4.0, "b": 0.0})
+    c.verified.append({"step": 8, "predicted_s": 0.8, "measured_s": 1.0, "before_s": 1.0, "model_gain_s": 0.2,
+                       "rates": old})
+    assert c.gain_realised == 0.0 and c.gain_realised_for(old) == 0.0
+    assert c.gain_realised_for(pd.Series({"a": 3.8, "b": 0.1})) == 0.0  # 7.5% changed: the same accesses
+    assert c.gain_realised_for(pd.Series({"a": 0.0, "b": 4.0})) is None  # a new hot set: no evidence
+    assert c.gain_realised_for(None) == 0.0
+
+
+def test_a_landed_plan_is_reverted_when_slower_or_when_a_clear_promise_bought_nothing():
+    """_failed_by: slower than before by more than revert_fraction; or no faster at all while the
+    model promised at least revert_fraction (and the steps' noise) of the step; else kept."""
+    import pandas as pd
+
+    from planner.controller import AdaptiveController, ControllerSettings, _Check
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(revert_fraction=0.05))
+    check = _Check(step=8, before_s=1.0, before={}, predicted_s=0.98, rates=pd.Series(dtype=float), model_gain_s=0.02)
+    assert c._failed_by(check, 1.06).startswith("slower")
+    assert c._failed_by(check, 1.04) is None  # a 2% promise: within the band, noise
+    promised = _Check(8, 1.0, {}, 0.7, pd.Series(dtype=float), model_gain_s=0.3)
+    assert c._failed_by(promised, 1.0).startswith("no faster")  # 30% promised, nothing bought
+    assert c._failed_by(promised, 0.99) is None  # it bought something: kept
+    c._placement_s[-1] += [1.0, 1.5, 0.5, 1.0, 1.5, 0.5, 1.0]  # steps as noisy as the promise: kept
+    assert c.step_noise > 0.3 and c._failed_by(promised, 1.01) is None

@@ -129,8 +129,79 @@ def test_pingpong_counts_homes_sent_back_within_recent_plans():
                        dram_bytes=size, dram_room_bytes=10 * MiB, migration_s=lambda m: 0.0, horizon_steps=10)
     assert d1.adopt and d1.pingpong_moves == 0
     policy.adopted(d1, a)
+    # the accesses have changed since (a new hot set): going back is allowed, and counted
     d2 = policy.decide(b, a, current_step_s=1.0, predict_step_s=lambda p: 0.9, density=flat,
-                       dram_bytes=size, dram_room_bytes=10 * MiB, migration_s=lambda m: 0.0, horizon_steps=10)
-    assert d2.pingpong_moves == 2
+                       dram_bytes=size, dram_room_bytes=10 * MiB, migration_s=lambda m: 0.0, horizon_steps=10,
+                       accesses_changed=True)
+    assert d2.adopt and d2.pingpong_moves == 2 and d2.held_back == 0
     policy.adopted(d2, b)
     assert policy.pingpong_total == 2
+
+
+def test_moves_that_undo_a_recent_plan_are_held_back_while_the_accesses_stay_the_same():
+    """Ping-pong damping: with unchanged accesses a plan that would send homes straight back is
+    the model re-ordering noise; those homes stay, the rest of the plan goes ahead."""
+    homes, saved, size, density = setup(3)
+    policy = PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0, margin=0))
+    flat = {h: 0.01 for h in homes}
+    a = {homes[0]: "cpu", homes[1]: "nvme", homes[2]: "nvme"}
+    b = {homes[0]: "nvme", homes[1]: "cpu", homes[2]: "nvme"}
+    kw = dict(predict_step_s=lambda p: 0.9, density=flat, dram_bytes=size, migration_s=lambda m: 0.0, horizon_steps=10)
+    d1 = policy.decide(a, b, current_step_s=1.0, dram_room_bytes=10 * MiB, **kw)
+    policy.adopted(d1, a)
+    # straight back to a: both moves would be ping-pong; held, nothing left to adopt
+    d2 = policy.decide(b, a, current_step_s=1.0, dram_room_bytes=10 * MiB, **kw)
+    assert not d2.adopt and d2.moves == [] and d2.held_back == 2 and "held back" in d2.reason
+    # homes[2] in beside homes[1] (20 MiB of room): no home goes back, nothing held
+    c = {homes[0]: "nvme", homes[1]: "cpu", homes[2]: "cpu"}
+    d3 = policy.decide(b, c, current_step_s=1.0, dram_room_bytes=20 * MiB, **kw)
+    assert d3.adopt and d3.held_back == 0 and d3.moves == [Move(homes[2][0], "param", "cpu")]
+    # homes[0] back in and homes[1] back out (both undo d1): held; homes[2] comes in
+    e = {homes[0]: "cpu", homes[1]: "nvme", homes[2]: "cpu"}
+    d4 = policy.decide(b, e, current_step_s=1.0, dram_room_bytes=20 * MiB, **kw)
+    assert d4.adopt and d4.held_back == 2 and d4.placement == c and d4.moves == d3.moves
+    # holding homes[1] in DRAM would overfill it once homes[2] comes in: the hold is given up
+    f = {homes[0]: "nvme", homes[1]: "nvme", homes[2]: "cpu"}
+    d5 = policy.decide(b, f, current_step_s=1.0, dram_room_bytes=10 * MiB, **kw)
+    assert d5.held_back == 0 and d5.placement == f
+
+
+def test_gain_scale_discounts_the_predicted_gain_before_it_is_judged():
+    """A controller whose plans realised only part of their predicted gains passes that share:
+    the same plan is adopted at full trust and refused when its gain, so scaled, is too small."""
+    homes, saved, size, density = setup()
+    current = {h: ("cpu" if i < 3 else "nvme") for i, h in enumerate(homes)}
+    candidate = dict(current)
+    candidate[homes[0]], candidate[homes[5]] = "nvme", "cpu"  # 0.05 s of a 0.94 s step
+    policy = PlacementPolicy(PolicySettings(warm_band=0))
+    full = decide(policy, current, candidate, saved, size, density, horizon=10_000)
+    assert full.adopt and full.gain_s_per_step == pytest.approx(0.05)
+    kw = dict(current_step_s=0.94, predict_step_s=linear_model(1.0, saved), density=density, dram_bytes=size,
+              dram_room_bytes=30 * MiB, migration_s=lambda m: 0.01, horizon_steps=10_000)
+    half = policy.decide(current, candidate, gain_scale=0.5, **kw)
+    assert half.gain_s_per_step == pytest.approx(0.025) and not half.adopt and "x0.50" in half.reason
+    assert not policy.decide(current, candidate, gain_scale=0.0, **kw).adopt
+
+
+def test_a_home_whose_own_accesses_changed_may_go_back():
+    """The ping-pong hold is per home: a home that a recent plan evicted comes back once its own
+    accesses per step have changed by more than hold_rate_change since that plan (a new hot
+    set), not when they moved by noise."""
+    homes, saved, size, density = setup(2)
+    policy = PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0, margin=0, hold_rate_change=0.5))
+    flat = {h: 0.01 for h in homes}
+    kw = dict(current_step_s=1.0, predict_step_s=lambda p: 0.9, density=flat, dram_bytes=size,
+              dram_room_bytes=10 * MiB, migration_s=lambda m: 0.0, horizon_steps=10)
+    a = {homes[0]: "cpu", homes[1]: "nvme"}
+    b = {homes[0]: "nvme", homes[1]: "cpu"}
+    d1 = policy.decide(a, b, rates={"s0": 1.0, "s1": 2.0}, **kw)
+    policy.adopted(d1, a, {"s0": 1.0, "s1": 2.0})
+    noise = policy.decide(b, a, rates={"s0": 1.4, "s1": 1.5}, **kw)  # |1.4 - 1| <= 0.5 x 1.4; 0.5 <= 0.5 x 2
+    assert not noise.adopt and noise.held_back == 2
+    swapped = policy.decide(b, a, rates={"s0": 3.0, "s1": 0.5}, **kw)  # both changed by more than half
+    assert swapped.adopt and swapped.held_back == 0 and swapped.pingpong_moves == 2
+    one = policy.decide(b, {homes[0]: "cpu", homes[1]: "cpu"}, rates={"s0": 3.0, "s1": 2.0},
+                        **(kw | {"dram_room_bytes": 20 * MiB}))
+    assert one.adopt and one.moves == [Move("s0", "param", "cpu")]
+    # 1.0 -> 1.2 accesses a step is within half of 1.2: noise, held
+    assert policy.decide(b, a, rates={"s0": 1.2, "s1": 2.0}, **kw).held_back == 2
