@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU runs of issue 7 on the lent H200 machine, one per device call (each fits its 10-minute
+# limit). Run from the repository root there, with .whl (and, for DeepSpeed, .dswhl and .deb)
+# carried along as DEVELOPERS.md and ../shared/gpu/DEEPSPEED.md say. Results go to $OUT.
+#
+#   scripts/h200.sh tests      # tests/test_gpu.py + tests/test_fp16.py, log in $OUT/gpu_tests.log
+#   scripts/h200.sh dram       # zinf:1 beside DeepSpeed with everything in DRAM
+#   scripts/h200.sh nvme       # zinf:0.11/0.5/0 beside DeepSpeed max_in_cpu and all-NVMe
+#   scripts/h200.sh transfer   # benchmark (a): zinf's transfers ÷ raw pinned copies
+#   scripts/h200.sh heavy      # benchmark (c): batch 32, zinf:1 against everything on the GPU
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
+install() {  # wheels into /tmp/site once per machine; DeepSpeed's only when asked
+  python3 -c "import sqlalchemy, pydantic" 2>/dev/null ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  if [ "${1:-}" = ds ] && ! python3 -c "import deepspeed" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dswhl/*.whl || exit 1
+    for f in .deb/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+  fi
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+case "${1:-}" in
+  tests)
+    install
+    timeout 540 python3 -m pytest -q -rs tests/test_gpu.py tests/test_fp16.py -s -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    tail -3 "$OUT/gpu_tests.log" ;;
+  dram)
+    install ds
+    OMP_NUM_THREADS=12 timeout 150 python3 benchmarks/gpu_gpt.py --path /tmp/zb --configs compute,zinf:1 --steps 6 --json "$OUT/zinf_dram.json" > "$OUT/zinf_dram.txt" 2>&1
+    timeout 300 python3 benchmarks/gpu_deepspeed.py --offload cpu --steps 6 --json "$OUT/ds_cpu.json" > "$OUT/ds_cpu.txt" 2>&1
+    OMP_NUM_THREADS=12 timeout 100 python3 benchmarks/gpu_gpt.py --path /tmp/zb --configs zinf:1 --steps 6 --json "$OUT/zinf_dram2.json" > "$OUT/zinf_dram2.txt" 2>&1
+    tail -4 "$OUT/zinf_dram.txt" "$OUT/ds_cpu.txt" "$OUT/zinf_dram2.txt" ;;
+  nvme)
+    install ds
+    OMP_NUM_THREADS=12 timeout 150 python3 benchmarks/gpu_gpt.py --path /tmp/zb --configs compute,zinf:0,zinf:0.11,zinf:0.5 --steps 4 --json "$OUT/zinf_nvme.json" > "$OUT/zinf_nvme.txt" 2>&1
+    timeout 200 python3 benchmarks/gpu_deepspeed.py --offload nvme --path /tmp/dsw --max-in-cpu 4e8 --steps 4 --json "$OUT/ds_maxincpu.json" > "$OUT/ds_maxincpu.txt" 2>&1
+    timeout 200 python3 benchmarks/gpu_deepspeed.py --offload nvme --path /tmp/dsw --steps 4 --json "$OUT/ds_nvme.json" > "$OUT/ds_nvme.txt" 2>&1
+    tail -6 "$OUT/zinf_nvme.txt"; tail -1 "$OUT/ds_maxincpu.txt" "$OUT/ds_nvme.txt" ;;
+  transfer)
+    install
+    timeout 500 python3 benchmarks/gpu_transfer.py --repeats 5 > "$OUT/gpu_transfer.txt" 2>&1
+    tail -5 "$OUT/gpu_transfer.txt" ;;
+  heavy)
+    install
+    OMP_NUM_THREADS=12 timeout 500 python3 benchmarks/gpu_gpt.py --path /tmp/zb --batch 32 --configs plain,compute,zinf:1 --steps 5 --json "$OUT/heavy.json" > "$OUT/heavy.txt" 2>&1
+    tail -6 "$OUT/heavy.txt" ;;
+  *)
+    sed -n 2,11p "$0"; exit 2 ;;
+esac
