@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}.items():
@@ -26,7 +25,7 @@ for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_model import GPT, batch  # noqa: E402
+from gpu_model import GPT, batch, cuda_seconds, train_step  # noqa: E402
 
 
 def main() -> None:
@@ -65,13 +64,8 @@ def main() -> None:
     times = []
     for step in range(args.steps):
         x, y = batch(step, args.batch, "cuda")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        loss, seconds = cuda_seconds(lambda: train_step(engine, x, y))
+        times.append(seconds)
         print(f"step {step} {times[-1]:.3f} s loss {loss.item():.4f}", flush=True)
     from zinf.hardware import rss_bytes
 

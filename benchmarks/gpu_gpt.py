@@ -37,11 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zinf  # noqa: E402
-from gpu_model import GPT, batch  # noqa: E402
+from gpu_model import GPT, batch, cuda_seconds, train_step  # noqa: E402
 from step_roofline import raw_o_direct_GBps  # noqa: E402
 from zinf.hardware import rss_bytes  # noqa: E402
 
-STATE_BYTES_PER_PARAM = 2 + 4 + 4 + 4 + 4  # bf16 param, fp32 master, Adam m and v, fp32 gradient
 
 
 def raw_h2d_GBps(nbytes: int = 256 << 20) -> float:
@@ -49,12 +48,8 @@ def raw_h2d_GBps(nbytes: int = 256 << 20) -> float:
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     for _ in range(2):
         dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    return 10 * nbytes / (time.perf_counter() - t0) / 1e9
+    _, seconds = cuda_seconds(lambda: [dst.copy_(src, non_blocking=True) for _ in range(10)])
+    return 10 * nbytes / seconds / 1e9
 
 
 def build(args) -> GPT:
@@ -66,12 +61,8 @@ def run_plain(args, optimizer: bool) -> dict:
     master = build(args).cuda()
     work = copy.deepcopy(master).to(torch.bfloat16)
     opt = torch.optim.AdamW(master.parameters(), lr=1e-4, fused=True) if optimizer else None
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for step in range(args.steps):
-        x, y = batch(step, args.batch, "cuda")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def one_step(x, y):
         loss = work(x, y)
         loss.backward()
         if opt is not None:
@@ -86,8 +77,14 @@ def run_plain(args, optimizer: bool) -> dict:
         else:
             for p in work.parameters():
                 p.grad = None
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        return loss
+
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(args.steps):
+        x, y = batch(step, args.batch, "cuda")
+        loss, seconds = cuda_seconds(lambda: one_step(x, y))
+        times.append(seconds)
     out = {"step_s": times, "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30, "loss": loss.item()}
     del master, work, opt
     torch.cuda.empty_cache()
@@ -129,13 +126,8 @@ def run_zinf(args, fraction: float) -> dict:
         for step in range(args.steps):
             x, y = batch(step, args.batch)
             before = copy.deepcopy((engine.traffic_total.read, engine.traffic_total.written))
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            loss, seconds = cuda_seconds(lambda: train_step(engine, x, y))
+            times.append(seconds)
             r, w = engine.traffic_total.read, engine.traffic_total.written
             traffic.append({"nvme_read": r["nvme"] - before[0]["nvme"], "nvme_written": w["nvme"] - before[1]["nvme"],
                             "h2d": r["cpu"] + r["nvme"] - before[0]["cpu"] - before[0]["nvme"]})

@@ -6,6 +6,9 @@ Defaults (d=1024, 24 layers) give 368 M parameters; batch 8 x 512 tokens in the 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +49,24 @@ class GPT(nn.Module):
         for block in self.blocks:
             h = block(h)
         return F.cross_entropy(self.head(self.n(h)).float().view(-1, VOCAB), y.view(-1))
+
+
+def cuda_seconds(fn: Callable[[], object]) -> tuple[object, float]:
+    """``fn()``'s result and the seconds it took, the GPU's queued work drained before and after
+    (CUDA runs asynchronously: without the second drain only the launches would be timed)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def train_step(engine, x, y):
+    """One training step through a zinf or DeepSpeed engine (the same three calls); the loss."""
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    return loss
 
 
 def batch(step: int, b: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:

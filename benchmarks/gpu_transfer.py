@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zinf  # noqa: E402
-from gpu_model import GPT  # noqa: E402
+from gpu_model import GPT, cuda_seconds  # noqa: E402
 
 
 def raw_copies(sizes: list[int], direction: str) -> float:
@@ -39,12 +38,7 @@ def raw_copies(sizes: list[int], direction: str) -> float:
     host = [torch.empty(n, dtype=torch.uint8).pin_memory() for n in sizes]
     dev = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
     pairs = list(zip(dev, host)) if direction == "h2d" else list(zip(host, dev))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for dst, src in pairs:
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return cuda_seconds(lambda: [dst.copy_(src, non_blocking=True) for dst, src in pairs])[1]
 
 
 def main() -> None:
@@ -68,18 +62,9 @@ def main() -> None:
         up_bytes = sum(sizes)
         for rep in range(args.repeats + 2):  # two warm-up rounds (the first records the trace)
             with torch.no_grad():
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                engine(x, y)
-                torch.cuda.synchronize()
-                fwd_s = time.perf_counter() - t0
+                _, fwd_s = cuda_seconds(lambda: engine(x, y))
             raw_up = raw_copies(sizes, "h2d")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = engine(x, y)
-            engine.backward(loss)
-            torch.cuda.synchronize()
-            fb_s = time.perf_counter() - t0
+            _, fb_s = cuda_seconds(lambda: engine.backward(engine(x, y)))
             engine.step()
             raw_fb = 2 * raw_copies(sizes, "h2d") + raw_copies(grad_sizes, "d2h")
             if rep >= 2:

@@ -296,7 +296,7 @@ class IoTuner:
 
 def _nvme_param_bytes(engine) -> tuple[int, int]:
     """(bytes of all param homes on NVMe, bytes of the largest one), in the compute dtype."""
-    elem = torch.empty((), dtype=engine.dtype).element_size()
+    elem = engine.dtype.itemsize
     placement = engine.placement
     sizes = [s.numel * elem for s in engine.shards if placement[s.name]["param"] == "nvme"]
     return sum(sizes), max(sizes, default=0)

@@ -76,19 +76,22 @@ def train_plain(model, data, gas, clip, steps=None):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def train_zinf(model, data, gas, clip, config):
+def train_zinf(model, data, gas, clip, config, steps=STEPS, collect=None):
+    """zinf (the config plus OPT, ``gas`` and ``clip``) on the same micro-batches as
+    :func:`train_plain`: the loss of every micro-batch, then ``collect(engine)`` before the engine
+    closes (default: its state_dict and placement), spread into the returned tuple."""
     config = dict(config, optimizer=OPT, gradient_accumulation_steps=gas, gradient_clipping=clip, train_micro_batch_size_per_gpu=4)
     losses = []
     with zinf.initialize(model, config) as engine:
-        for step in range(STEPS):
+        for step in range(steps):
             for k in range(gas):
                 x, y = data.get(step * gas + k)
                 loss = engine(x, y)
                 losses.append(loss.item())
                 engine.backward(loss)
                 engine.step()
-        assert engine.global_steps == STEPS
-        return losses, engine.state_dict(), engine.placement
+        assert engine.global_steps == steps
+        return (losses, *(collect or (lambda e: (e.state_dict(), e.placement)))(engine))
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

@@ -15,9 +15,9 @@ from zinf.models import build_model
 from zinf.models.data import TokenBatches, markov_tokens
 
 from conftest import placement_config
+from test_equivalence import OPT, train_zinf
 
 STEPS = 12
-OPT = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}}
 # 2**24 overflows fp16 gradients at once: the first steps are skipped until the scale comes down
 FP16 = {"enabled": True, "initial_scale_power": 24, "hysteresis": 1, "loss_scale_window": 4}
 
@@ -62,17 +62,9 @@ def train_plain_fp16(model, data, gas, clip, device="cpu", work_device=None, fus
 
 
 def train_zinf_fp16(model, data, gas, clip, config):
-    config = dict(config, optimizer=OPT, gradient_accumulation_steps=gas, gradient_clipping=clip, fp16=FP16)
-    losses = []
-    with zinf.initialize(model, config) as engine:
-        for step in range(STEPS):
-            for k in range(gas):
-                x, y = data.get(step * gas + k)
-                loss = engine(x, y)
-                losses.append(loss.item())
-                engine.backward(loss)
-                engine.step()
-        return losses, engine.state_dict(), engine.skipped_steps, engine.loss_scaler.scale
+    """zinf in fp16 (FP16): losses, state_dict, skipped steps and the final loss scale."""
+    return train_zinf(model, data, gas, clip, dict(config, fp16=FP16), steps=STEPS,
+                      collect=lambda e: (e.state_dict(), e.skipped_steps, e.loss_scaler.scale))
 
 
 @pytest.mark.parametrize("placement", ["dram", "nvme"])

@@ -29,7 +29,7 @@ from zinf.models import build_model
 from zinf.models.data import TokenBatches, markov_tokens
 
 from conftest import PLACEMENTS, SMALL_SHARDS, placement_config
-from test_equivalence import MODELS, OPT
+from test_equivalence import MODELS, OPT, train_zinf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -92,23 +92,20 @@ def train_plain_gpu(model, data, gas, clip, dtype=torch.float32, steps=STEPS, op
     return losses, {n: p.detach().cpu().clone() for n, p in master.named_parameters(remove_duplicate=False)}
 
 
+def _on_gpu(engine):
+    """``collect`` for train_zinf: checks that the run computed on CUDA and kept exactly the small
+    shards resident; returns the state_dict and placement."""
+    assert engine.device.type == "cuda"
+    # shards that stage3_param_persistence_threshold keeps resident: every member small, none pinned
+    threshold = engine.config.zero_optimization.stage3_param_persistence_threshold
+    small = {st.name for st in engine.states if st.shard.pin is None and all(m.numel < threshold for m in st.shard.members)}
+    assert all(engine.placement[name]["param"] == "gpu" for name in small), "small parameters stay on the GPU"
+    return engine.state_dict(), engine.placement
+
+
 def train_zinf_gpu(model, data, gas, clip, config, steps=STEPS):
-    config = dict(config, optimizer=OPT, gradient_accumulation_steps=gas, gradient_clipping=clip)
-    losses = []
-    with zinf.initialize(model, config) as engine:
-        assert engine.device.type == "cuda"
-        for step in range(steps):
-            for k in range(gas):
-                x, y = data.get(step * gas + k)  # CPU tensors: the engine moves them
-                loss = engine(x, y)
-                losses.append(loss.item())
-                engine.backward(loss)
-                engine.step()
-        # shards that stage3_param_persistence_threshold keeps resident: every member small, none pinned
-        threshold = engine.config.zero_optimization.stage3_param_persistence_threshold
-        small = {st.name for st in engine.states if st.shard.pin is None and all(m.numel < threshold for m in st.shard.members)}
-        assert all(engine.placement[name]["param"] == "gpu" for name in small), "small parameters stay on the GPU"
-        return losses, engine.state_dict(), engine.placement, engine._prefetcher.stats
+    """train_zinf on CUDA (the data stays on the CPU: the engine moves it): losses, state_dict, placement."""
+    return train_zinf(model, data, gas, clip, config, steps=steps, collect=_on_gpu)
 
 
 def _worst(a: dict, b: dict) -> float:
@@ -136,7 +133,7 @@ def test_matches_plain_pytorch_with_cpu_optimizer(case, placement, dtype, tmp_pa
     cfg = gpu_config(placement, tmp_path, model)
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
-    losses, params, place, _ = train_zinf_gpu(model, data, gas, clip, cfg)
+    losses, params, place = train_zinf_gpu(model, data, gas, clip, cfg)
     if dtype == "bf16":  # a frozen parameter has no fp32 master: zinf keeps (and returns) its bf16 copy
         frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         ref_params = {n: p.to(torch.bfloat16).float() if n in frozen else p for n, p in ref_params.items()}
@@ -158,7 +155,7 @@ def test_fp32_close_to_all_on_gpu(case, placement, tmp_path):
     make, gas, clip = MODELS[case]
     model, data = make()
     ref_losses, ref_params = train_plain_gpu(copy.deepcopy(model), data, gas, clip)
-    losses, params, place, _ = train_zinf_gpu(model, data, gas, clip, gpu_config(placement, tmp_path, model))
+    losses, params, place = train_zinf_gpu(model, data, gas, clip, gpu_config(placement, tmp_path, model))
     assert losses[0] == ref_losses[0], "the first forward runs the same kernels on the same values"
     worst_loss = max(abs(a - b) for a, b in zip(losses, ref_losses))
     worst_param = _worst(params, ref_params)
@@ -169,22 +166,14 @@ def test_fp32_close_to_all_on_gpu(case, placement, tmp_path):
 
 @pytest.mark.parametrize("placement", ["dram", "nvme"])
 def test_fp16_loss_scaling_on_gpu(placement, tmp_path):
-    from test_fp16 import FP16, _model, train_plain_fp16
+    from test_fp16 import STEPS as FP16_STEPS, _model, train_plain_fp16, train_zinf_fp16
 
     model, data = _model()
     # the CPU-optimizer reference: masters, GradScaler and fused AdamW on the CPU, fp16 on the GPU
     ref_losses, ref_params, ref_skipped, ref_scale = train_plain_fp16(copy.deepcopy(model), data, 1, 0.0, device="cpu",
                                                                       work_device="cuda", fused=True)
-    cfg = dict(gpu_config(placement, tmp_path, model), optimizer=OPT, fp16=FP16)
-    losses = []
-    with zinf.initialize(model, cfg) as engine:
-        for step in range(len(ref_losses)):
-            x, y = data.get(step)
-            loss = engine(x, y)
-            losses.append(loss.item())
-            engine.backward(loss)
-            engine.step()
-        params, skipped, scale = engine.state_dict(), engine.skipped_steps, engine.loss_scaler.scale
+    losses, params, skipped, scale = train_zinf_fp16(model, data, 1, 0.0, gpu_config(placement, tmp_path, model))
+    assert len(losses) == FP16_STEPS
     assert ref_skipped >= 2 and skipped == ref_skipped and scale == ref_scale
     worst_loss = max(abs(a - b) for a, b in zip(losses, ref_losses))
     worst_param = _worst(params, ref_params)

@@ -184,7 +184,7 @@ class Engine:
         self._optim_pins = optim_pins = PinSet.from_config(zero.offload_optimizer.module_parameters)
         self.shards: list[Shard] = build_shards(
             model,
-            param_bytes_per_elem=torch.empty((), dtype=self.dtype).element_size(),
+            param_bytes_per_elem=self.dtype.itemsize,
             chunk_size=cfg.zinf.chunk_size,
             shard_min_bytes=cfg.zinf.shard_min_bytes,
             pin_for=param_pins.tier_for_param,
@@ -217,6 +217,8 @@ class Engine:
                               f"this budget with `zinf plan --dram-budget SIZE`") from None
         self.overlap = self._size_overlap(cfg.zinf.dram_budget)
         self.dram_need.overlap_bytes = self.overlap.total_bytes
+        # see _grad_download_cap; shards never change size, and this is read for every gradient
+        self._grad_cap_bytes = max(16 << 20, 2 * max((st.shard.numel for st in self.states), default=0) * self.dtype.itemsize)
         self._check_gpu_budget()
         self._stats_lock = threading.Lock()
         self._buffers = BufferPool(max_free_bytes=self.overlap.total_bytes + self._largest_nvme_group_bytes(),
@@ -294,7 +296,7 @@ class Engine:
     def _upload_ahead_bytes(self) -> int:
         """(CUDA) Bytes of parameters uploaded ahead of their use along the trace:
         ``stage3_prefetch_bucket_size`` elements, DeepSpeed's GPU prefetch bucket."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return self.config.zero_optimization.stage3_prefetch_bucket_size * elem
 
     def _check_gpu_budget(self) -> None:
@@ -370,7 +372,7 @@ class Engine:
     def _nbytes(self, st: ShardState) -> tuple[int, int, int]:
         """(param bytes in compute dtype, optimizer group bytes, grad bytes) of a shard."""
         n = st.shard.numel
-        param = n * torch.empty((), dtype=self.dtype).element_size()
+        param = n * self.dtype.itemsize
         if not st.shard.trainable:
             return param, 0, 0
         return param, n * 4 * (1 + len(self.optimizer.state_names)), n * 4
@@ -495,7 +497,7 @@ class Engine:
 
     def _new_prefetcher(self, stats=None) -> Prefetcher:
         """A prefetcher that records its trace in the next pass (``stats`` carried over, if given)."""
-        elem_bytes = torch.empty((), dtype=self.dtype).element_size()
+        elem_bytes = self.dtype.itemsize
         prefetcher = Prefetcher(self._start_param_read, self._param_read_bytes, self._discard_read,
                                 window_bytes=self.overlap.prefetch_bytes,
                                 reuse_distance_bytes=self.config.zero_optimization.stage3_max_reuse_distance * elem_bytes,
@@ -886,11 +888,7 @@ class Engine:
         """Bytes of gradient downloads that may be in flight (their device copies wait on the GPU
         until the copy is done): two of the largest shard, at least 16 MiB (0.3 ms of copy at
         50 GB/s: enough to keep the copy engine busy)."""
-        cap = getattr(self, "_grad_cap_bytes", None)
-        if cap is None:  # shards never change size: computed once (this runs for every gradient)
-            largest = max(st.shard.numel for st in self.states) * torch.empty((), dtype=self.dtype).element_size()
-            cap = self._grad_cap_bytes = max(16 << 20, 2 * largest)
-        return cap
+        return self._grad_cap_bytes
 
     def _land_grads(self, block: bool = False) -> None:
         """(CUDA) Accumulate the downloaded gradients whose copies have finished, in the order
@@ -938,13 +936,19 @@ class Engine:
                 view.copy_(g)
             st.grad_members.add(i)
             st.arrived_now.add(i)
-            if st.place.optim == "nvme" and len(st.shard.members) == 1:
-                if self.overlap.eager and self._last_micro_batch():
-                    self._update_during_backward(st)
-                else:
-                    self._spill_grad(st)
-            elif self._eager_dram and len(st.shard.members) == 1 and self._last_micro_batch():
+            if len(st.shard.members) == 1:  # its gradient is complete (a chunk's at the end of backward)
+                self._grad_complete(st)
+
+    def _grad_complete(self, st: ShardState) -> None:
+        """The shard's gradient of this backward is complete: at the last micro-batch update the
+        shard now (during backward) where that is on, else write an NVMe home's accumulator out."""
+        if st.place.optim == "nvme":
+            if self.overlap.eager and self._last_micro_batch():
                 self._update_during_backward(st)
+            else:
+                self._spill_grad(st)
+        elif self._eager_dram and self._last_micro_batch():
+            self._update_during_backward(st)
 
     def _last_micro_batch(self) -> bool:
         """Whether the backward running now ends a gradient-accumulation window."""
@@ -987,14 +991,9 @@ class Engine:
             self._release(st)
         self._backward_held = []
         for st in self.states:
-            # gradients that arrived and still sit in DRAM (chunks wait for the end of backward)
-            if st.place.optim == "nvme" and st.arrived_now:
-                if self.overlap.eager and self._last_micro_batch():
-                    self._update_during_backward(st)  # a chunk: final once backward is over
-                else:
-                    self._spill_grad(st)
-            elif self._eager_dram and st.arrived_now and self._last_micro_batch():
-                self._update_during_backward(st)
+            # gradients that arrived and are not handled yet (chunks wait for the end of backward)
+            if st.arrived_now:
+                self._grad_complete(st)
             st.arrived_now.clear()
         self._free_kept()
         self._prefetcher.end_recording()
@@ -1390,7 +1389,7 @@ class Engine:
         if override is not None:
             return override
         zero = self.config.zero_optimization
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return min(zero.stage3_prefetch_bucket_size, zero.offload_param.buffer_count * zero.offload_param.buffer_size) * elem
 
     def _check_prefetch_fits(self, want: int) -> None:
@@ -1791,7 +1790,7 @@ class Engine:
                     seen.add(t.data_ptr())
                     total += t.numel() * t.element_size()
             if st.param_state is ParamState.MATERIALISED and self.device.type == "cpu":
-                total += st.shard.numel * torch.empty((), dtype=self.dtype).element_size()
+                total += st.shard.numel * self.dtype.itemsize
         return total + self._buffers.in_use_bytes
 
     def pinned_bytes_in_use(self) -> int:
