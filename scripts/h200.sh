@@ -8,6 +8,8 @@
 #   scripts/h200.sh nvme       # zinf:0.11/0.5/0 beside DeepSpeed max_in_cpu and all-NVMe
 #   scripts/h200.sh transfer   # benchmark (a): zinf's transfers ÷ raw pinned copies
 #   scripts/h200.sh heavy      # benchmark (c): batch 32, zinf:1 against everything on the GPU
+#   scripts/h200.sh big        # the 554 M GPT (d=1280): zinf:0/0.11/0.5 beside DeepSpeed all-NVMe and max_in_cpu
+#   scripts/h200.sh demo       # the main job (zinf demo: profiled, re-planned, migrated) on CUDA
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -26,27 +28,39 @@ case "${1:-}" in
   tests)
     install
     timeout 540 python3 -m pytest -q -rs tests/test_gpu.py tests/test_fp16.py -s -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
-    tail -3 "$OUT/gpu_tests.log" ;;
+    tail -n 3 "$OUT/gpu_tests.log" ;;
   dram)
     install ds
     OMP_NUM_THREADS=12 timeout 150 python3 benchmarks/gpu_gpt.py --path /tmp/zb --configs compute,zinf:1 --steps 6 --json "$OUT/zinf_dram.json" > "$OUT/zinf_dram.txt" 2>&1
     timeout 300 python3 benchmarks/gpu_deepspeed.py --offload cpu --steps 6 --json "$OUT/ds_cpu.json" > "$OUT/ds_cpu.txt" 2>&1
     OMP_NUM_THREADS=12 timeout 100 python3 benchmarks/gpu_gpt.py --path /tmp/zb --configs zinf:1 --steps 6 --json "$OUT/zinf_dram2.json" > "$OUT/zinf_dram2.txt" 2>&1
-    tail -4 "$OUT/zinf_dram.txt" "$OUT/ds_cpu.txt" "$OUT/zinf_dram2.txt" ;;
+    tail -n 4 "$OUT/zinf_dram.txt" "$OUT/ds_cpu.txt" "$OUT/zinf_dram2.txt" ;;
   nvme)
     install ds
     OMP_NUM_THREADS=12 timeout 150 python3 benchmarks/gpu_gpt.py --path /tmp/zb --configs compute,zinf:0,zinf:0.11,zinf:0.5 --steps 4 --json "$OUT/zinf_nvme.json" > "$OUT/zinf_nvme.txt" 2>&1
     timeout 200 python3 benchmarks/gpu_deepspeed.py --offload nvme --path /tmp/dsw --max-in-cpu 4e8 --steps 4 --json "$OUT/ds_maxincpu.json" > "$OUT/ds_maxincpu.txt" 2>&1
     timeout 200 python3 benchmarks/gpu_deepspeed.py --offload nvme --path /tmp/dsw --steps 4 --json "$OUT/ds_nvme.json" > "$OUT/ds_nvme.txt" 2>&1
-    tail -6 "$OUT/zinf_nvme.txt"; tail -1 "$OUT/ds_maxincpu.txt" "$OUT/ds_nvme.txt" ;;
+    tail -n 6 "$OUT/zinf_nvme.txt"; tail -n 1 "$OUT/ds_maxincpu.txt" "$OUT/ds_nvme.txt" ;;
   transfer)
     install
-    timeout 500 python3 benchmarks/gpu_transfer.py --repeats 5 > "$OUT/gpu_transfer.txt" 2>&1
-    tail -5 "$OUT/gpu_transfer.txt" ;;
+    timeout 200 python3 benchmarks/gpu_transfer.py --repeats 5 > "$OUT/gpu_transfer.txt" 2>&1
+    tail -n 5 "$OUT/gpu_transfer.txt" ;;
   heavy)
     install
-    OMP_NUM_THREADS=12 timeout 500 python3 benchmarks/gpu_gpt.py --path /tmp/zb --batch 32 --configs plain,compute,zinf:1 --steps 5 --json "$OUT/heavy.json" > "$OUT/heavy.txt" 2>&1
-    tail -6 "$OUT/heavy.txt" ;;
+    OMP_NUM_THREADS=12 timeout 230 python3 benchmarks/gpu_gpt.py --path /tmp/zb --batch 32 --configs plain,compute,zinf:1 --steps 5 --json "$OUT/heavy.json" > "$OUT/heavy.txt" 2>&1
+    tail -n 6 "$OUT/heavy.txt" ;;
+  big)
+    install ds
+    OMP_NUM_THREADS=12 timeout 230 python3 benchmarks/gpu_gpt.py --path /tmp/zb --d 1280 --configs compute,zinf:0,zinf:0.11,zinf:0.5 --steps 4 --json "$OUT/zinf_554m.json" > "$OUT/zinf_554m.txt" 2>&1
+    rm -rf /tmp/zb
+    timeout 170 python3 benchmarks/gpu_deepspeed.py --d 1280 --offload nvme --path /tmp/dsw --steps 4 --json "$OUT/ds_554m_nvme.json" > "$OUT/ds_554m_nvme.txt" 2>&1
+    rm -rf /tmp/dsw
+    timeout 170 python3 benchmarks/gpu_deepspeed.py --d 1280 --offload nvme --path /tmp/dsw --max-in-cpu 6e8 --steps 4 --json "$OUT/ds_554m_maxincpu.json" > "$OUT/ds_554m_maxincpu.txt" 2>&1
+    tail -n 6 "$OUT/zinf_554m.txt"; tail -n 2 "$OUT/ds_554m_nvme.txt" "$OUT/ds_554m_maxincpu.txt" ;;
+  demo)
+    install
+    mkdir -p /tmp/demo && (cd /tmp/demo && timeout 300 python3 -c "from zinf.cli import main; main()" demo --workdir /tmp/demo) > "$OUT/demo_cuda.txt" 2>&1
+    tail -n 20 "$OUT/demo_cuda.txt" ;;
   *)
-    sed -n 2,11p "$0"; exit 2 ;;
+    sed -n 2,13p "$0"; exit 2 ;;
 esac
