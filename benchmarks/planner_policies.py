@@ -253,6 +253,7 @@ class Run:
     plan_err: list[float] = field(default_factory=list)
     plans_seen: int = 0  # the controller's plans_made already folded into replan_moved_bytes
     not_solved: int = 0  # re-plans in the measured steps not solved again (nothing had changed)
+    sampled: int = 0  # measured steps during which the profiler sampled its shard detail (1 step in k > 1)
 
 
 def dram_homes(engine) -> str:
@@ -301,6 +302,7 @@ def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller
                 run.nvme_bytes.append(moved_b)
                 if need_controller:
                     track_controller(engine, dt, run, prediction, versions_before)
+                    run.sampled += getattr(engine.controller, "detail_every", 1) > 1
             prediction = getattr(engine.controller, "predicted_step_s", None) if need_controller else None
             versions_before = engine.plan_version
         run.dram_homes = dram_homes(engine)
@@ -474,6 +476,7 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
                     f"churn max {churn[1]:.1%} of budget" if churn else "churn -",
                     f"ping-pong {cell.pingpong:.1%} ({cell.pingpong_whole_runs:.1%} whole runs)",
                     f"plan err {plan_err[1]:.1%} (n={plan_err[0]})" if plan_err else "plan err -",
+                    f"shard detail sampled in {sum(r.sampled for r in cell.runs) / max(1, sum(len(r.step_s) for r in cell.runs)):.0%} of steps",
                 ])
             if cell.status != "ok":
                 msg = "not available in this checkout" if cell.status == "unavailable" else cell.status
@@ -489,7 +492,8 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
           "the median of the steps it was in force for), re-plans made (of which not re-solved: "
           "nothing had changed since the last plan solved) and adopted, churn max = "
           "the most bytes one re-plan migrated / DRAM budget, ping-pong = homes sent back within 3 plans / shards, plan err = median "
-          "|predicted - measured| / measured of adopted plans once landed)")
+          "|predicted - measured| / measured of adopted plans once landed; shard detail sampled = measured steps during which the profiler recorded "
+          "shard detail in one step of several, the controller's sparse_detail_every)")
 
 
 def headline(name: str, cells: dict[float, dict[str, Cell]] | None, budget: float | None, target: float) -> str:

@@ -23,7 +23,7 @@ noisy steps may be undone by the next one. The policy therefore decides, per can
    with the plan so a user can see a policy that oscillates. Such a move is held back
    (``hold_pingpong``: the home stays where it is, as in the warm band) unless the home's own
    accesses per step have changed by more than ``hold_rate_change`` since the plan that moved it
-   (``rates``; or the caller says all accesses have changed, ``accesses_changed``). With a few
+   (``rates``), and by more than their noise (``hold_noise_z``, given the caller's ``rate_variance``; or the caller says all accesses have changed, ``accesses_changed``). With a few
    tokens a step the hot set re-orders from period to period, and a move undone two plans later
    has cost two migrations for nothing; a home whose accesses really changed (a new hot set)
    goes where it now belongs.
@@ -77,6 +77,12 @@ class PolicySettings:
     hold_min_accesses: float = 0.5
     """Accesses per step below which a difference is noise (an expert hit 0 or 0.2 times a step)."""
 
+    hold_noise_z: float = 3.0
+    """With ``rate_variance`` given to :meth:`PlacementPolicy.decide`, a home's accesses have
+    changed only if the difference is also more than this many standard deviations of their noise
+    (``sqrt(rate_variance_then x then + rate_variance x now)``, the first as given to :meth:`adopted`): at 16 tokens a step an expert's smoothed accesses moved
+    by half on noise alone, which let plans send homes back and forth (ping-pong)."""
+
 
 @dataclass
 class Decision:
@@ -124,6 +130,8 @@ class PlacementPolicy:
         # the accesses per step per shard each of those plans was made from (None: not given)
         self._rates: deque[Mapping[str, float] | None] = deque(maxlen=max(1, self.settings.pingpong_plans))
         self.pingpong_total = 0
+        self._rate_variance = 0.0  # of the decide() under way (see hold_noise_z)
+        self._variances: deque[float] = deque(maxlen=max(1, self.settings.pingpong_plans))  # of each remembered plan's rates
 
     def decide(
         self,
@@ -141,6 +149,7 @@ class PlacementPolicy:
         gain_scale: float = 1.0,
         accesses_changed: bool = False,
         rates: Mapping[str, float] | None = None,
+        rate_variance: float = 0.0,
     ) -> Decision:
         """Judge ``candidate`` against ``current`` (both ``{home: tier}``).
 
@@ -156,9 +165,12 @@ class PlacementPolicy:
         before it is judged; ``accesses_changed``: the accesses per step have changed since the
         last adopted plans, so any home may go back where it was (no ping-pong hold); ``rates``:
         accesses per step per shard now, against which a home's accesses at the plan that moved
-        it are compared (without them, or without those, every return is held).
+        it are compared (without them, or without those, every return is held); ``rate_variance``:
+        variance of a shard's accesses per step per access per step (the caller's noise model of
+        its smoothed rates; 0: none), see ``hold_noise_z``.
         """
         s = self.settings
+        self._rate_variance = max(0.0, float(rate_variance))
         min_gain = s.min_gain_fraction if min_gain_fraction is None else min_gain_fraction
         target = self._warm_band(current, candidate, density, dram_bytes, dram_room_bytes)
         kept = sum(1 for h, t in candidate.items() if target.get(h) != t)
@@ -189,11 +201,14 @@ class PlacementPolicy:
         return Decision(True, f"gain {gain_s * 1e3:.1f} ms/step{scaled} x {horizon_steps} steps beats "
                         f"{s.margin:g} x migration {cost_s * 1e3:.1f} ms", **base)
 
-    def adopted(self, decision: Decision, before: Mapping[Home, str], rates: Mapping[str, float] | None = None) -> None:
+    def adopted(self, decision: Decision, before: Mapping[Home, str], rates: Mapping[str, float] | None = None,
+                rate_variance: float | None = None) -> None:
         """Remember an adopted plan (``before``: the placement it replaced; ``rates``: the accesses
-        per step per shard it was made from) for ping-pong."""
+        per step per shard it was made from; ``rate_variance``: their noise as in :meth:`decide`,
+        default that of the last decide: an early plan's rates average fewer steps) for ping-pong."""
         self._history.append(dict(before))
         self._rates.append(dict(rates) if rates is not None else None)
+        self._variances.append(self._rate_variance if rate_variance is None else max(0.0, float(rate_variance)))
         self.pingpong_total += decision.pingpong_moves
 
     # -- helpers ---------------------------------------------------------------------------
@@ -238,12 +253,13 @@ class PlacementPolicy:
         if rates is None:
             return False
         s = self.settings
-        for past, then in zip(reversed(self._history), reversed(self._rates)):
+        for past, then, v_then in zip(reversed(self._history), reversed(self._rates), reversed(self._variances)):
             if past.get(home) == dst and current.get(home) != dst:  # that plan moved it away
                 if then is None or home[0] not in then or home[0] not in rates:
                     return False
                 a, b = float(then[home[0]]), float(rates[home[0]])
-                return abs(a - b) > s.hold_rate_change * max(a, b, s.hold_min_accesses)
+                noise = s.hold_noise_z * math.sqrt(v_then * a + self._rate_variance * b)
+                return abs(a - b) > max(s.hold_rate_change * max(a, b, s.hold_min_accesses), noise)
         return False
 
     def _hold_back(self, current, target, density, dram_bytes, room_bytes, rates=None) -> tuple[dict[Home, str], int]:

@@ -296,8 +296,16 @@ class Workload:
         kwargs = {k: v for k, v in (("short_halflife_steps", short_halflife_steps), ("long_halflife_steps", long_halflife_steps),
                                     ("unstable_threshold", unstable_threshold)) if v is not None}
         rate_used = used if rate_steps is None else usable.tail(int(rate_steps))
-        ss = queries.shard_steps(url, run_id, first_step=int(rate_used["step"].min()), last_step=last)
-        rates = hotness.access_rates(ss, shards["name"].tolist(), steps=rate_used["step"].tolist(), **kwargs).set_index("shard")
+        # a run whose shard detail is sampled (profiler.recorder: "Sampled shard detail") has rows
+        # standing for several steps, ending with the sampled one: read those that reach into the
+        # rate window, and end its timeline with the newest step a row covers (the steps after the
+        # last sample are not unused, only not yet recorded)
+        ss = queries.shard_steps(url, run_id, first_step=int(rate_used["step"].min()), last_step=last, covering=True)
+        rate_timeline = rate_used["step"].tolist()
+        if len(ss):
+            covered = int((ss["step"] + ss["window_steps"].clip(lower=1) - 1).max())
+            rate_timeline = [s for s in rate_timeline if s <= covered] or rate_timeline
+        rates = hotness.access_rates(ss, shards["name"].tolist(), steps=rate_timeline, **kwargs).set_index("shard")
         stats = queries.shard_access_stats(url, run_id, first_step=first, last_step=last).set_index("name")
 
         def pick(phase: str) -> pd.Series:

@@ -232,14 +232,22 @@ def shards(src: Source, run_id: int) -> pd.DataFrame:
     return df
 
 
-def shard_steps(src: Source, run_id: int, *, first_step: int | None = None, last_step: int | None = None) -> pd.DataFrame:
+def shard_steps(src: Source, run_id: int, *, first_step: int | None = None, last_step: int | None = None,
+                covering: bool = False) -> pd.DataFrame:
     """The raw per-shard, per-window rows, with the shard's ``name``; only the rows whose ``step``
     is in ``[first_step, last_step]`` when given (filtered in SQL: the planner reads the last few
-    steps of a run that may have 10^6 rows)."""
+    steps of a run that may have 10^6 rows). ``covering``: also the rows of windows that start
+    before ``first_step`` and reach it (a sampled run's rows stand for up to
+    :data:`profiler.recorder.MAX_SHARD_DETAIL_EVERY` steps, ending with the sampled one)."""
+    from profiler.recorder import MAX_SHARD_DETAIL_EVERY
+
     ss, sh = schema.shard_steps, schema.shards
     cols = [c for c in ss.c if c.name not in ("id", "run_id")]
     where = [ss.c.run_id == int(run_id)]
-    if first_step is not None:
+    if first_step is not None and covering:
+        where.append(ss.c.step >= int(first_step) - MAX_SHARD_DETAIL_EVERY + 1)
+        where.append(ss.c.step + ss.c.window_steps > int(first_step))
+    elif first_step is not None:
         where.append(ss.c.step >= int(first_step))
     if last_step is not None:
         where.append(ss.c.step <= int(last_step))

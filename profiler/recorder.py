@@ -34,6 +34,22 @@ writes fail (a locked database) rows wait in memory and retries back off up to 3
 everything since the last commit is at risk. ``last_heartbeat`` is at most ``heartbeat_s`` old
 while the process lives. SQLite's WAL keeps every commit intact across the kill.
 
+Sampled shard detail (:meth:`Recorder.set_shard_detail_every`, default off): with ``k`` > 1 the
+recorder takes the detail events of one step in ``k`` and ignores the others - and tells the
+engine so through the plain attribute :attr:`Recorder.shard_detail_now`, which it checks before it
+builds an event, so an unsampled step builds, queues, aggregates and writes nothing. A sampled
+step stands for itself and the unsampled steps since the previous sampled one (its ``span``, at
+most ``k``): its ``shard_steps`` row is a window of ``span`` steps ending with it (``step`` = its
+first step, ``window_steps`` = ``span``) whose counts, bytes and seconds are the sampled step's
+times ``span``. Every reader that divides a window by its ``window_steps`` (accesses per step,
+:func:`profiler.queries.shard_access_stats`, :func:`planner.hotness.access_rates`) then gets the
+sampled step's per-step values, and sums over a run estimate its totals. Exact for a workload whose
+accesses are the same every step (a dense model: the planner samples only then); an estimate
+otherwise. Rows only ever cover steps already run, so a sampled run's newest row may end a few
+steps before its newest ``steps`` row. Only with ``window_steps`` = 1. The I/O samples
+(``io_samples``) and the measured I/O totals in ``runs.bandwidths`` come from the sampled steps
+only (the bandwidths, ratios of the two, stay right; ``*_bytes`` and ``*_s`` undercount).
+
 ``runs.bandwidths``: what :meth:`Recorder.record_bandwidths` (or ``hardware["bandwidths"]``)
 gave, plus, per tier and op, what this run's I/O measured (every :class:`IoDone`, subsampled
 or not): ``<tier>_<op>_bytes``, ``<tier>_<op>_s`` (summed request seconds) and
@@ -63,7 +79,11 @@ from profiler.store import describe_url, make_engine, pid_start_ticks, upgrade
 
 log = logging.getLogger("zinf.profiler")
 
-__all__ = ["Recorder", "record_calibration", "DETAIL_EVENTS"]
+__all__ = ["Recorder", "record_calibration", "DETAIL_EVENTS", "MAX_SHARD_DETAIL_EVERY"]
+
+MAX_SHARD_DETAIL_EVERY = 64
+"""The longest span a sampled shard-detail row may stand for (:meth:`Recorder.set_shard_detail_every`):
+readers that need the rows covering a step look back at most this many steps."""
 
 DETAIL_EVENTS = (ev.ShardFetched, ev.ShardTransfer, ev.IoDone, ev.IoBatch, ev.OptimizerShardDone)
 _DETAIL = frozenset(DETAIL_EVENTS)
@@ -174,6 +194,15 @@ class _Command:
         self.payload = payload
 
 
+class _Span:
+    """Put before a sampled step's :class:`ev.StepFinished`: the steps that step stands for."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+
 class _RunState:
     """What the writer knows about one run while recording it."""
 
@@ -187,6 +216,7 @@ class _RunState:
         self.window: dict[str, list] = {}  # finished steps of the open window
         self.window_first: int | None = None
         self.window_count = 0
+        self.span = 1  # steps the step under way stands for (> 1: a sampled step, see _Span)
         self.io_buf: list[dict] = []
         self.io_seen = 0
         self.io_subsampled = 0
@@ -268,6 +298,13 @@ class Recorder:
         self.heartbeat_s = max(0.05, float(heartbeat_s))
         self.essential_wait_s = max(0.0, float(essential_wait_s))
         self._shard_detail = detail == "shard"
+        # shard-detail sampling (training thread only; see set_shard_detail_every)
+        self.shard_detail_now = self._shard_detail
+        """Whether the detail events of the step under way are recorded (read by the engine before
+        it builds one; False in the steps that sampling skips, and always with ``detail="step"``)."""
+        self._detail_every = 1
+        self._last_sampled: int | None = None  # StepFinished.step of the newest sampled step
+        self._span_now = 1  # steps the step under way stands for, if it is sampled
         self._shown = describe_url(url)
 
         self._engine = make_engine(url)
@@ -319,7 +356,7 @@ class Recorder:
             return
         q = self._q
         if type(event) in _DETAIL:
-            if not self._shard_detail:
+            if not self.shard_detail_now:  # detail "step", or a step that sampling skips
                 return
             if q.qsize() >= self.queue_max:
                 self._drop_event(event)
@@ -329,6 +366,11 @@ class Recorder:
             except queue.Full:
                 self._drop_event(event)
             return
+        if type(event) is ev.StepFinished and self.shard_detail_now and self._span_now > 1:
+            try:  # with the step's own event: dropped, the row counts one step (and is counted)
+                q.put_nowait(_Span(self._span_now))
+            except queue.Full:
+                self._drop("span")
         try:
             q.put_nowait(event)
         except queue.Full:
@@ -340,6 +382,37 @@ class Recorder:
         if type(event) is ev.RunStarted:
             with self._run_cond:
                 self._starts_queued += 1
+            self._last_sampled, self._span_now = None, 1
+            self.shard_detail_now = self._shard_detail
+        elif type(event) is ev.StepFinished and self._shard_detail:
+            self._next_sample(int(event.step))
+
+    def set_shard_detail_every(self, k: int) -> int:
+        """Record the shard detail of one step in ``k`` (1: every step; at most
+        :data:`MAX_SHARD_DETAIL_EVERY`) from now on; see "Sampled shard detail" in the module
+        docstring. Call it on the training thread (a planner's step hook does). It decides from
+        the next step on, never for the step under way (whose events may be queued already): the
+        next step is sampled once ``k`` steps have passed since the last sampled one, so a smaller
+        ``k`` takes effect with the next step. Returns the ``k`` in force: always 1 with
+        ``window_steps`` > 1 (windows and sampling do not mix) or ``detail="step"``."""
+        k = max(1, min(int(k), MAX_SHARD_DETAIL_EVERY))
+        if self.window_steps > 1 or not self._shard_detail:
+            k = 1
+        self._detail_every = k
+        return k
+
+    @property
+    def shard_detail_every(self) -> int:
+        """The sampling period in force (:meth:`set_shard_detail_every`)."""
+        return self._detail_every
+
+    def _next_sample(self, step: int) -> None:
+        """After ``StepFinished(step)`` was queued: whether the next step is sampled, and for how many steps."""
+        if self.shard_detail_now:
+            self._last_sampled = step
+        span = (step + 1 - self._last_sampled) if self._last_sampled is not None else 1
+        self._span_now = span
+        self.shard_detail_now = span >= self._detail_every
 
     def _drop_event(self, event: Any, prefix: str = "") -> None:
         """Count ``event`` as dropped: an :class:`IoBatch` as the requests it carries."""
@@ -638,6 +711,10 @@ class Recorder:
             return True
         if kind is _Command:
             return self._on_command(st, e)
+        if kind is _Span:
+            if st is not None and not st.finished:
+                st.span = max(1, int(e.steps))
+            return False
         self._drop(f"unknown:{kind.__name__}")
         return False
 
@@ -685,8 +762,13 @@ class Recorder:
         st.last_step = int(e.step)
         st.plan_version = max(st.plan_version, int(e.plan_version))
         self._take_io(st, int(e.step))
+        span, st.span = st.span, 1
+        if span > 1:  # a sampled step stands for the steps since the last one: its counts x span
+            for a in st.cur.values():
+                for i in range(_ACC_LEN):
+                    a[i] *= span
         if st.window_count == 0:
-            st.window_first = int(e.step)
+            st.window_first = int(e.step) - span + 1
             st.window = st.cur
         else:
             window = st.window
@@ -698,7 +780,7 @@ class Recorder:
                     for i in range(_ACC_LEN):
                         w[i] += a[i]
         st.cur = {}
-        st.window_count += 1
+        st.window_count += span
         if st.window_count >= self.window_steps:
             self._close_window(st)
 

@@ -205,3 +205,29 @@ def test_a_home_whose_own_accesses_changed_may_go_back():
     assert one.adopt and one.moves == [Move("s0", "param", "cpu")]
     # 1.0 -> 1.2 accesses a step is within half of 1.2: noise, held
     assert policy.decide(b, a, rates={"s0": 1.2, "s1": 2.0}, **kw).held_back == 2
+
+
+def test_a_home_whose_accesses_moved_within_their_noise_stays_held():
+    """With the caller's noise model (rate_variance), a change by more than hold_rate_change that
+    is within hold_noise_z standard deviations of the rates' noise is noise: the return is held;
+    a change well beyond the noise still lets the home go back."""
+    homes, saved, size, density = setup(2)
+    policy = PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0, margin=0, hold_rate_change=0.5))
+    flat = {h: 0.01 for h in homes}
+    kw = dict(current_step_s=1.0, predict_step_s=lambda p: 0.9, density=flat, dram_bytes=size,
+              dram_room_bytes=10 * MiB, migration_s=lambda m: 0.0, horizon_steps=10)
+    a = {homes[0]: "cpu", homes[1]: "nvme"}
+    b = {homes[0]: "nvme", homes[1]: "cpu"}
+    policy.adopted(policy.decide(a, b, rates={"s0": 1.0, "s1": 2.0}, **kw), a, {"s0": 1.0, "s1": 2.0})
+    moved = {"s0": 3.0, "s1": 0.5}  # both by more than half (released without a noise model)
+    assert policy.decide(b, a, rates=moved, **kw).held_back == 0
+    # 3 accesses/step averaged over ~6 steps of counts with variance 3x their mean: sd ~1.6 > 2/3
+    noisy = policy.decide(b, a, rates=moved, rate_variance=3.0 / 6, **kw)
+    assert not noisy.adopt and noisy.held_back == 2
+    # over ~150 steps the same change is far beyond the noise
+    assert policy.decide(b, a, rates=moved, rate_variance=3.0 / 150, **kw).held_back == 0
+    # the rates of the plan that moved the homes count with their own noise (an early plan's
+    # averaged few steps): given at adoption, they hold the same change back
+    early = PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0, margin=0, hold_rate_change=0.5))
+    early.adopted(early.decide(a, b, rates={"s0": 1.0, "s1": 2.0}, **kw), a, {"s0": 1.0, "s1": 2.0}, rate_variance=3.0)
+    assert early.decide(b, a, rates=moved, rate_variance=3.0 / 150, **kw).held_back == 2

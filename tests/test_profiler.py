@@ -749,3 +749,52 @@ def test_event_buffer_wakes_the_writer_only_when_asked_or_filling():
         b.get(timeout=0.01)
     with pytest.raises(queue.Empty):
         b.get_nowait()
+
+
+# ------------------------------------------------------------------------ sampled shard detail
+def test_sampled_shard_detail_rows_stand_for_the_steps_since_the_last_sample(tmp_path):
+    """One step in k: the sampled step's row spans the steps since the previous sample (counts x
+    span), unsampled steps' detail events are ignored, and a smaller k takes effect with the next
+    step without overlapping or leaving a gap."""
+    url = db_url(tmp_path)
+    r = Recorder(url, flush_interval_s=0.05)
+    r.emit(run_started())
+    sampled = []
+    for k in range(9):  # rows 1..9
+        if k == 1:
+            assert r.set_shard_detail_every(3) == 3  # during step 2 (a step hook): from step 3 on
+        if k == 5:
+            r.set_shard_detail_every(1)  # during step 6, not sampled: step 7 is, standing for 6-7
+        sampled.append(r.shard_detail_now)
+        for e in step_events(k):  # a recorder user that ignores shard_detail_now: filtered here
+            r.emit(e)
+    r.emit(ev.RunFinished("finished", 9, time.time()))
+    r.flush()
+    r.close()
+    assert sampled == [True, True, False, False, True, False, True, True, True]
+    assert rows(url, "SELECT step, window_steps, count(*) FROM shard_steps GROUP BY step, window_steps ORDER BY step") == [
+        (1, 1, 3), (2, 1, 3), (3, 3, 3), (6, 2, 3), (8, 1, 3), (9, 1, 3)]  # steps 1-9, each once
+    assert rows(url, "SELECT forward_accesses, read_cpu_bytes FROM shard_steps s JOIN shards h ON h.id = s.shard_id "
+                     "WHERE h.name = 's0' ORDER BY step") == [(1, 300), (1, 300), (3, 900), (2, 600), (1, 300), (1, 300)]
+    assert count(url, "steps") == 9  # every step's own row
+    assert [s for (s,) in rows(url, "SELECT DISTINCT step FROM io_samples ORDER BY step")] == [1, 2, 5, 7, 8, 9]
+    stats = queries.shard_access_stats(url, r.run_id).set_index("name")
+    assert list(stats["accesses_per_step"]) == pytest.approx([4.0, 3.0, 3.0])  # as recorded every step
+    assert set(stats["steps"]) == {9}
+    # a reader of a step range gets the rows that reach into it only when it asks (covering)
+    assert list(queries.shard_steps(url, r.run_id, first_step=4, last_step=9)["step"].unique()) == [6, 8, 9]
+    assert list(queries.shard_steps(url, r.run_id, first_step=4, last_step=9, covering=True)["step"].unique()) == [3, 6, 8, 9]
+    assert r.dropped == {}
+
+
+def test_shard_detail_sampling_needs_single_step_windows(tmp_path):
+    r = Recorder(db_url(tmp_path), window_steps=2)
+    try:
+        assert r.set_shard_detail_every(4) == 1 and r.shard_detail_every == 1
+    finally:
+        r.close()
+    r = Recorder(db_url(tmp_path, "b.db"), detail="step")
+    try:
+        assert r.set_shard_detail_every(4) == 1 and not r.shard_detail_now
+    finally:
+        r.close()

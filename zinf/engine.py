@@ -692,7 +692,7 @@ class Engine:
     # ------------------------------------------------------------------ fetch / release
     def _acquire(self, st: ShardState, phase: str) -> None:
         if st.param_state is ParamState.RESIDENT:
-            if self.recorder.enabled:
+            if self._emit_detail:
                 self._emit_fetch(st, phase, st.place.param, 0, 0.0, 0.0)
             return
         st.refcount += 1
@@ -702,7 +702,7 @@ class Engine:
         if st.param_state is ParamState.MATERIALISED:
             if st.refcount == 1 and st.shard.index in self._prefetcher.kept:
                 self._prefetcher.reuse(st.shard.index)  # kept since its last use: no read
-            if self.recorder.enabled:
+            if self._emit_detail:
                 # Still here (kept, held for the pass like a chunk, or in use by another module):
                 # an access that moves nothing, counted like one of a resident shard, so that a
                 # shard's accesses per step do not depend on its tier.
@@ -732,7 +732,7 @@ class Engine:
             fetch_s = stall_s
         self._count("read", st.place.param, nbytes)
         self._step_timer.stall_s += stall_s
-        if self.recorder.enabled:
+        if self._emit_detail:
             self._emit_fetch(st, phase, st.place.param, nbytes, fetch_s, stall_s)
         if self._cuda is not None:
             self._upload_ahead()
@@ -798,7 +798,7 @@ class Engine:
         st.param_state = ParamState.MATERIALISED
         nbytes = self._nbytes(st)[0]
         self._count("read", st.place.param, nbytes)
-        if self.recorder.enabled:
+        if self._emit_detail:
             self._emit_fetch(st, phase, st.place.param, nbytes, 0.0, 0.0)
         self._upload_ahead()
 
@@ -926,7 +926,7 @@ class Engine:
                     self._read_optim(st, "grad", out=st.grad)
                     waited = time.perf_counter() - t0
                     self._step_timer.stall_s += waited
-                    if self.recorder.enabled:
+                    if self._emit_detail:
                         self._emit_transfer(st, "grad", "read", "nvme", st.shard.numel * 4, waited)
             view = st.grad[m.offset : m.offset + m.numel].view(m.shape)
             g = g.to("cpu") if g.device.type != "cpu" else g
@@ -981,7 +981,7 @@ class Engine:
         grad, st.grad = st.grad, None
         self._write_optim(st, "grad", grad)  # asynchronous: backward goes on
         st.grad_on_nvme = True
-        if self.recorder.enabled:
+        if self._emit_detail:
             self._emit_transfer(st, "grad", "write", "nvme", grad.numel() * 4, 0.0)
 
     def _finish_backward(self) -> None:
@@ -1059,6 +1059,10 @@ class Engine:
         """Send the requests finished since the last batch, with the I/O settings they ran with
         (called at the end of every step, before the settings change, and at the end)."""
         log_ = self._io_log
+        if not self._emit_detail:  # a step the recorder does not sample: its requests are not sent
+            for _ in range(len(log_)):
+                log_.popleft()
+            return
         rows = []
         for _ in range(len(log_)):  # what lands meanwhile stays for the next batch
             op, key, nbytes, seconds, concurrency = log_.popleft()
@@ -1277,7 +1281,7 @@ class Engine:
         st.grad_on_nvme = False
         st.grad_members = set()
         st.grad_norms = {}
-        if self.recorder.enabled:
+        if self._emit_detail:
             self.recorder.emit(ev.OptimizerShardDone(self.global_steps, st.name, st.place.optim, read_bytes, write_bytes, t1 - t0, t2 - t1, t3 - t2, n_updated))
 
     def _refresh_param_home(self, st: ShardState, master: Tensor) -> None:
@@ -1285,7 +1289,7 @@ class Engine:
             return
         if st.place.param == "nvme":
             self._write(self._stores["param"], st.key("param"), master.to(self.dtype))
-            if self.recorder.enabled:  # not part of the optimizer group's bytes: its own record
+            if self._emit_detail:  # not part of the optimizer group's bytes: its own record
                 self._emit_transfer(st, "param", "write", "nvme", self._nbytes(st)[0], 0.0)
         else:
             st.param_home.copy_(master)
@@ -1909,6 +1913,16 @@ class Engine:
             pass
 
     # ------------------------------------------------------------------ events
+    @property
+    def _emit_detail(self) -> bool:
+        """Whether the detail events of the step under way (:class:`ev.ShardFetched`,
+        :class:`ev.ShardTransfer`, :class:`ev.OptimizerShardDone`, the step's :class:`ev.IoBatch`)
+        are built and sent: the recorder is on and, if it samples shard detail (the profiler's
+        ``Recorder.shard_detail_now``, a plain attribute; recorders without it get every step), this
+        step is one it records. Checked before an event is built, so an unrecorded step builds none."""
+        r = self.recorder
+        return r.enabled and getattr(r, "shard_detail_now", True)
+
     def _emit_fetch(self, st: ShardState, phase: str, tier: str, nbytes: int, fetch_s: float, stall_s: float) -> None:
         self.recorder.emit(ev.ShardFetched(self.global_steps, self.micro_steps, st.name, phase, tier, nbytes, fetch_s, stall_s))
 
