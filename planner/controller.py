@@ -118,6 +118,15 @@ class ControllerSettings:
     this many :attr:`AdaptiveController.step_noise` (and below ``realised_min_share`` of its
     promise): a gain within the noise of the revert test is no evidence that it helped."""
 
+    refine_noise_z: float = 2.0
+    """Once a plan made from accesses like the current ones has landed and been measured (its
+    realised gain is known), the next plans refine it rather than react to a change: they must
+    promise this many :attr:`AdaptiveController.step_noise` (the same evidence the revert test
+    asks for, ``realised_noise_z``), not one. A plan that promises one noise is as likely to be
+    reverted as kept, and every revert moves its homes twice (MoE at 50%: ping-pong). Plans for
+    changed accesses (after a routing change) and plans the drift of the steps triggered keep the
+    one-noise bar."""
+
     realised_min_share: float = 0.5
     """... and below this share of the model's promise (a plan that delivered half of a large
     promise is kept even on noisy steps)."""
@@ -367,6 +376,27 @@ class AdaptiveController:
             return 0.0
         return s.rate_dispersion / self._rate_steps(self._step_now if step is None else step)
 
+    def min_gain_fraction(self, rates: "pd.Series | None", realised: float | None, noise: float | None,
+                          drifted: bool = False) -> float:
+        """The smallest gain, as a fraction of the step, worth adopting a plan for: what a
+        measurement can tell apart (``min_gain_fraction``; the steps' noise, ``refine_noise_z``
+        times it once a plan for accesses like ``rates`` has landed, since the next one refines
+        rather than reacts - unless the steps ``drifted`` from the prediction, which is a reaction
+        too: the long EWMA's accesses lag a routing change by tens of steps) and, until a plan's realised gain (``realised``) has calibrated the
+        model's gains, the model's own error on its landed plans (after that the gains are scaled
+        instead: holding the scaled gain to the unscaled model's error would count the error
+        twice); both only from plans made from accesses like these (a routing change starts
+        afresh). ``min_gain_fraction`` 0 asks for every predicted gain (tests, a user who knows):
+        no noise term."""
+        floor = self.policy.settings.min_gain_fraction
+        if floor <= 0:
+            noise_term = 0.0
+        else:
+            refining = realised is not None and not drifted
+            noise_term = (noise or 0.0) * (self.settings.refine_noise_z if refining else 1.0)
+        model_term = (self.model_error_for(rates) or 0.0) if realised is None else 0.0
+        return max(floor, noise_term, model_term)
+
     def gain_realised_for(self, rates: "pd.Series | None") -> float | None:
         """:attr:`gain_realised` over the plans made from accesses like ``rates`` only (not
         :meth:`_accesses_changed` since): what plans realised under other accesses (before a routing
@@ -554,15 +584,7 @@ class AdaptiveController:
         rates = _rates(workload)  # the long EWMA's, also after a drift: plans compare like with like
         realised = self.gain_realised_for(rates)
         noise = self.step_noise
-        # The smallest gain worth adopting: what a measurement can tell apart (min_gain_fraction,
-        # the steps' noise) and, until a plan's realised gain has calibrated the model's gains,
-        # the model's own error on its landed plans (after that the gains are scaled instead:
-        # holding the scaled gain to the unscaled model's error would count the error twice);
-        # both only from plans made from accesses like these (a routing change starts afresh).
-        # min_gain_fraction 0 asks for every predicted gain (tests, a user who knows): no noise term.
-        floor = self.policy.settings.min_gain_fraction
-        min_gain = max(floor, (noise or 0.0) if floor > 0 else 0.0,
-                       (self.model_error_for(rates) or 0.0) if realised is None else 0.0)
+        min_gain = self.min_gain_fraction(rates, realised, noise, drifted)
         decision = self.policy.decide(
             current, plan.homes(), current_step_s=current_step_s,
             predict_step_s=lambda homes: sim.predict(homes).step_s,
