@@ -327,8 +327,6 @@ class AdaptiveController:
         last ``error_plans`` adopted plans once landed (None before the first was measured). A
         plan predicted to gain less than this fraction of the step is not adopted: its gain is
         within what the model gets wrong (with a few tokens a step, the next plan would undo it)."""
-        if self.settings.error_plans <= 0:
-            return None
         return self._error_of(self.verified)
 
     def model_error_for(self, rates: "pd.Series | None") -> float | None:
@@ -336,10 +334,7 @@ class AdaptiveController:
         :meth:`_accesses_changed` since), as :meth:`gain_realised_for`: after a routing change
         the errors of plans under the old routing do not gate the first plans for the new one
         (the MoE at 20-30%: a 30-38% gate from plans before the change blocked every plan after it)."""
-        if rates is None:
-            return self.model_error
-        return self._error_of([v for v in self.verified if v.get("rates") is None
-                               or not self._accesses_changed(rates, v["rates"], v.get("step"))])
+        return self._error_of(self._verified_like(rates))
 
     def _error_of(self, verified: list[dict]) -> float | None:
         if self.settings.error_plans <= 0:
@@ -382,11 +377,11 @@ class AdaptiveController:
         measurement can tell apart (``min_gain_fraction``; the steps' noise, ``refine_noise_z``
         times it once a plan for accesses like ``rates`` has landed, since the next one refines
         rather than reacts - unless the steps ``drifted`` from the prediction, which is a reaction
-        too: the long EWMA's accesses lag a routing change by tens of steps) and, until a plan's realised gain (``realised``) has calibrated the
-        model's gains, the model's own error on its landed plans (after that the gains are scaled
-        instead: holding the scaled gain to the unscaled model's error would count the error
-        twice); both only from plans made from accesses like these (a routing change starts
-        afresh). ``min_gain_fraction`` 0 asks for every predicted gain (tests, a user who knows):
+        too: the long EWMA's accesses lag a routing change by tens of steps) and, until a plan's
+        realised gain (``realised``) has calibrated the model's gains, the model's own error on
+        its landed plans (after that the gains are scaled instead: holding the scaled gain to the
+        unscaled model's error would count the error twice); both only from plans made from
+        accesses like these (a routing change starts afresh). ``min_gain_fraction`` 0 asks for every predicted gain (tests, a user who knows):
         no noise term."""
         floor = self.policy.settings.min_gain_fraction
         if floor <= 0:
@@ -402,10 +397,14 @@ class AdaptiveController:
         :meth:`_accesses_changed` since): what plans realised under other accesses (before a routing
         change) says little about the next one, and a model that once realised nothing would
         otherwise never move a home again."""
+        return self._realised(self._verified_like(rates))
+
+    def _verified_like(self, rates: "pd.Series | None") -> list[dict]:
+        """The entries of :attr:`verified` made from accesses like ``rates`` (not
+        :meth:`_accesses_changed` since; all of them for ``rates`` None)."""
         if rates is None:
-            return self.gain_realised
-        keep = [v for v in self.verified if v.get("rates") is None or not self._accesses_changed(rates, v["rates"], v.get("step"))]
-        return self._realised(keep)
+            return self.verified
+        return [v for v in self.verified if v.get("rates") is None or not self._accesses_changed(rates, v["rates"], v.get("step"))]
 
     @property
     def gain_realised(self) -> float | None:

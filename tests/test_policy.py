@@ -183,10 +183,9 @@ def test_gain_scale_discounts_the_predicted_gain_before_it_is_judged():
     assert not policy.decide(current, candidate, gain_scale=0.0, **kw).adopt
 
 
-def test_a_home_whose_own_accesses_changed_may_go_back():
-    """The ping-pong hold is per home: a home that a recent plan evicted comes back once its own
-    accesses per step have changed by more than hold_rate_change since that plan (a new hot
-    set), not when they moved by noise."""
+def two_homes_swapped():
+    """Two homes, a policy that adopts any gain (hold_rate_change 0.5), the decide() keywords of a
+    0.9-of-1.0 s prediction, and the placements a (s0 in DRAM) and b (s1 in DRAM)."""
     homes, saved, size, density = setup(2)
     policy = PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0, margin=0, hold_rate_change=0.5))
     flat = {h: 0.01 for h in homes}
@@ -194,6 +193,14 @@ def test_a_home_whose_own_accesses_changed_may_go_back():
               dram_room_bytes=10 * MiB, migration_s=lambda m: 0.0, horizon_steps=10)
     a = {homes[0]: "cpu", homes[1]: "nvme"}
     b = {homes[0]: "nvme", homes[1]: "cpu"}
+    return homes, policy, kw, a, b
+
+
+def test_a_home_whose_own_accesses_changed_may_go_back():
+    """The ping-pong hold is per home: a home that a recent plan evicted comes back once its own
+    accesses per step have changed by more than hold_rate_change since that plan (a new hot
+    set), not when they moved by noise."""
+    homes, policy, kw, a, b = two_homes_swapped()
     d1 = policy.decide(a, b, rates={"s0": 1.0, "s1": 2.0}, **kw)
     policy.adopted(d1, a, {"s0": 1.0, "s1": 2.0})
     noise = policy.decide(b, a, rates={"s0": 1.4, "s1": 1.5}, **kw)  # |1.4 - 1| <= 0.5 x 1.4; 0.5 <= 0.5 x 2
@@ -211,13 +218,7 @@ def test_a_home_whose_accesses_moved_within_their_noise_stays_held():
     """With the caller's noise model (rate_variance), a change by more than hold_rate_change that
     is within hold_noise_z standard deviations of the rates' noise is noise: the return is held;
     a change well beyond the noise still lets the home go back."""
-    homes, saved, size, density = setup(2)
-    policy = PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0, margin=0, hold_rate_change=0.5))
-    flat = {h: 0.01 for h in homes}
-    kw = dict(current_step_s=1.0, predict_step_s=lambda p: 0.9, density=flat, dram_bytes=size,
-              dram_room_bytes=10 * MiB, migration_s=lambda m: 0.0, horizon_steps=10)
-    a = {homes[0]: "cpu", homes[1]: "nvme"}
-    b = {homes[0]: "nvme", homes[1]: "cpu"}
+    homes, policy, kw, a, b = two_homes_swapped()
     policy.adopted(policy.decide(a, b, rates={"s0": 1.0, "s1": 2.0}, **kw), a, {"s0": 1.0, "s1": 2.0})
     moved = {"s0": 3.0, "s1": 0.5}  # both by more than half (released without a noise model)
     assert policy.decide(b, a, rates=moved, **kw).held_back == 0
