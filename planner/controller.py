@@ -32,7 +32,11 @@ optimizer step the engine asks it for moves:
    A kept plan is judged once more over all the steps of its placement when the next plan is due
    (:meth:`AdaptiveController._judge_again`). "The accesses changed" (for the realised gains, the
    model's error and retrying a reverted plan) must be beyond the counts' noise
-   (:meth:`AdaptiveController._accesses_changed`). While a dense model's accesses are the same
+   (:meth:`AdaptiveController._accesses_changed`); when they have, across all shards, since the
+   long run's (a routing change), a drift plan may send any home where it now belongs (no
+   ping-pong hold, :meth:`AdaptiveController.accesses_shifted`). A placement is measured on its
+   training steps: what the controller itself and the migrations took in a step is not counted.
+   While a dense model's accesses are the same
    every step and the placement is settled, the profiler records shard detail in one step of
    ``sparse_detail_every`` only (:meth:`AdaptiveController._sample_detail`): recording every
    step's detail cost ~4% of a dense GPT step on 2 cores.
@@ -46,6 +50,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -113,30 +118,33 @@ class ControllerSettings:
     this fraction (L1, against those the reverted plan was made from) - and by more than their
     noise (``change_z``); the same test says which landed plans' realised gains still apply."""
 
-    realised_noise_z: float = 2.0
-    """A landed plan that promised a clear gain is reverted when the gain it measured is below
-    this many :attr:`AdaptiveController.step_noise` (and below ``realised_min_share`` of its
-    promise): a gain within the noise of the revert test is no evidence that it helped."""
+    realised_noise_z: float = 0.0
+    """A landed plan that promised a clear gain is reverted when the gain it measured is at most
+    this many :attr:`AdaptiveController.step_noise` (and ``realised_min_share`` of its promise),
+    over its first ``verify_steps`` and again over all its steps. 0: when it measured no gain at
+    all. At 2, a revert sent a plan made for a new routing back to the old routing's placement,
+    measured 5-11% slower than it (a gain within two noises of five noisy steps), where keeping
+    two placements that measure alike costs nothing."""
 
     refine_noise_z: float = 2.0
     """Once a plan made from accesses like the current ones has landed and been measured (its
     realised gain is known), the next plans refine it rather than react to a change: they must
-    promise this many :attr:`AdaptiveController.step_noise` (the same evidence the revert test
-    asks for, ``realised_noise_z``), not one. A plan that promises one noise is as likely to be
+    promise this many :attr:`AdaptiveController.step_noise`, not one. A plan that promises one noise is as likely to be
     reverted as kept, and every revert moves its homes twice (MoE at 50%: ping-pong). Plans for
     changed accesses (after a routing change) and plans the drift of the steps triggered keep the
     one-noise bar."""
 
     realised_min_share: float = 0.5
-    """... and below this share of the model's promise (a plan that delivered half of a large
-    promise is kept even on noisy steps)."""
+    """... and at most this share of the model's promise (with ``realised_noise_z`` > 0: a plan
+    that delivered half of a large promise is kept even on noisy steps)."""
 
     change_z: float | None = 3.0
     """The accesses per step have changed only when the difference is also beyond their sampling
     noise: the shards' squared differences over their variances (a chi-square over the shards that
     vary) exceed its mean by ``change_z`` standard deviations. A shard's smoothed accesses per
-    step are modelled as counts: variance ``rate_dispersion`` x accesses per step / the long
-    EWMA's effective steps (:func:`_accesses_changed`). At 16 tokens a step the MoE's long EWMAs
+    step are modelled as counts: variance ``rate_dispersion`` x accesses per step x (1 - accesses
+    / the shard's most in one step) / the EWMA's effective steps (:func:`_rate_variance`,
+    :meth:`AdaptiveController._accesses_changed`). At 16 tokens a step the MoE's long EWMAs
     moved by > 25% (L1) within ~10 steps on noise alone, which dropped the realised-gain evidence
     in steady state. None: the L1 test alone."""
 
@@ -231,25 +239,44 @@ def _ewma_steps(halflife_steps: float, steps: int | None = None) -> float:
     return max(1.0, min(n, float(steps))) if steps is not None else n
 
 
+def _rate_variance(rates: "pd.Series", effective_steps: float, dispersion: float,
+                   caps: "pd.Series | None" = None) -> "pd.Series":
+    """Variance of each shard's smoothed accesses per step ``rates``, an average over
+    ``effective_steps`` steps of counts in groups of ``dispersion`` (a forward, a backward and an
+    optimizer access of a call together): ``dispersion x r / n``; with the shard's ``caps`` (the
+    most accesses it had in one step, ``accesses_max``), binomial: ``dispersion x r x (1 - r / cap)
+    / n`` - an expert hit in every step is at its cap and does not vary at all (counted as a
+    Poisson count, a 3 -> 0.5 change of a hot expert after a routing change was within its noise,
+    and the ping-pong hold kept the old hot set in DRAM for 30 steps)."""
+    r = rates.astype(float).clip(lower=0.0)
+    spread = pd.Series(1.0, index=r.index)
+    if caps is not None:
+        cap = caps.astype(float).reindex(r.index)
+        capped = cap.notna() & (cap > 0)
+        spread[capped] = (1.0 - r[capped] / cap[capped]).clip(lower=0.0, upper=1.0)
+    return dispersion * r * spread / max(float(effective_steps), 1.0)
+
+
 def _change_z(now: "pd.Series", then: "pd.Series", effective_steps: float, dispersion: float,
-              then_effective_steps: float | None = None) -> float:
+              then_effective_steps: float | None = None, caps: "pd.Series | None" = None) -> float:
     """How far the difference of two accesses-per-step vectors is beyond their noise, in standard
     deviations of a chi-square: each shard's accesses per step are an average over
     ``effective_steps`` steps (``then_effective_steps`` for ``then``: rates of an early plan
-    averaged fewer steps; default the same) of counts with variance ``dispersion`` x mean, so the
-    difference has variance ``dispersion x (now / n_now + then / n_then)``; sum of squared differences
-    over variances, less the number of shards that vary (S), over sqrt(2 S). Shards with the same
-    value in both (a dense model's, never accessed) take no part. 0 when none varies."""
+    averaged fewer steps; default the same) of counts with the variance of :func:`_rate_variance`
+    (``caps``: the shards' most accesses in one step, for both), so the difference has the sum of
+    both variances; sum of squared differences over variances, less the number of shards that vary
+    (S), over sqrt(2 S). Shards with the same value in both (a dense model's, never accessed) take
+    no part. 0 when none varies."""
     now, then = now.align(then, fill_value=0.0)
-    a, b = now.to_numpy(float), then.to_numpy(float)
-    vary = a != b
+    vary = (now.to_numpy(float) != then.to_numpy(float))
     if not vary.any():
         return 0.0
     n_now = max(effective_steps, 1.0)
     n_then = max(then_effective_steps if then_effective_steps is not None else effective_steps, 1.0)
-    var = dispersion * (a[vary] / n_now + b[vary] / n_then)
-    var = np.maximum(var, dispersion * 0.5 / min(n_now, n_then))  # a shard at ~0: half an access's noise
-    stat = float(((a[vary] - b[vary]) ** 2 / var).sum())
+    var = (_rate_variance(now, n_now, dispersion, caps) + _rate_variance(then, n_then, dispersion, caps)).to_numpy(float)[vary]
+    var = np.maximum(var, dispersion * 0.5 / min(n_now, n_then))  # a shard at ~0 (or its cap): half an access's noise
+    diff = (now - then).to_numpy(float)[vary]
+    stat = float((diff ** 2 / var).sum())
     n = int(vary.sum())
     return (stat - n) / math.sqrt(2.0 * n)
 
@@ -312,13 +339,21 @@ class AdaptiveController:
         self._last_solved: tuple | None = None
         self._skipped_in_row = 0
         self.detail_every = 1  # the recorder's shard-detail sampling period this controller set
+        self._caps: "pd.Series | None" = None  # each shard's most accesses in one step (newest profile read)
         self._step_now = 0  # the engine's step at the last after_step
+        self._own_s = 0.0  # seconds the last after_step took (inside that step's wall time)
+        # the first step whose accesses the rates are read from: a shift of the accesses (a
+        # routing change) restarts them, so the long EWMA does not average the old routing in
+        self._rates_from_step = 0
 
     # ------------------------------------------------------------------ what it is doing
     @property
     def predicted_step_s(self) -> float | None:
-        """The predicted step time of the placement in force (of the adopted plan once it has
-        landed; of the current placement when the last plan was not adopted); None before the first plan."""
+        """The predicted step time of the placement in force: an adopted plan's (the model's)
+        until its first ``verify_steps`` steps are measured, then their median (the calibrated
+        prediction); the calibrated simulator's of the current placement when the last plan was
+        not adopted; the measured step before a reverted plan after a revert. None before the
+        first plan."""
         return self._predicted_step_s
 
     @property
@@ -355,24 +390,56 @@ class AdaptiveController:
         if s.change_z is None:
             return True
         return _change_z(now, then, self._rate_steps(self._step_now), s.rate_dispersion,
-                         self._rate_steps(then_step if then_step is not None else self._step_now)) > s.change_z
+                         self._rate_steps(then_step if then_step is not None else self._step_now),
+                         caps=self._caps) > s.change_z
 
-    def _rate_steps(self, step: int) -> float:
-        """Effective steps of the long EWMA of the accesses a plan after ``step`` reads."""
-        s = self.settings
-        return _ewma_steps(s.rate_halflife_periods * s.replan_every, max(1, min(int(step) - 1, s.rate_window_periods * s.replan_every)))
-
-    def rate_variance_per_access(self, step: int | None = None) -> float:
-        """Variance of a shard's smoothed accesses per step, per access per step, of a plan after
-        ``step`` (default now; see ``change_z``): ``rate_dispersion`` / the long EWMA's effective
-        steps; 0 without ``change_z``."""
+    def accesses_shifted(self, short: "pd.Series", long: "pd.Series") -> bool:
+        """Whether the newest steps' accesses per step (``short``: the short EWMA) have moved away
+        from the long run's (``long``) by more than ``retry_rate_change`` (L1) and beyond their
+        noise (:func:`_change_z`, each EWMA's own effective steps now, capped as the last profile
+        read says): a routing change, seen across all shards together a few steps after it, when
+        no single home's accesses can yet tell it from noise. Needs ``change_z``."""
         s = self.settings
         if s.change_z is None:
-            return 0.0
-        return s.rate_dispersion / self._rate_steps(self._step_now if step is None else step)
+            return False
+        if _rate_change(short, long) < s.retry_rate_change:
+            return False
+        return _change_z(short, long, self._rate_steps(self._step_now, "short"), s.rate_dispersion,
+                         self._rate_steps(self._step_now), caps=self._caps) > s.change_z
+
+    def _rate_window(self, step: int) -> int:
+        """Steps of accesses a plan after ``step`` reads: ``rate_window_periods`` re-plan periods,
+        fewer since a shift of the accesses (:meth:`accesses_shifted`) if the plan comes after it."""
+        s = self.settings
+        window = s.rate_window_periods * s.replan_every
+        if self._rates_from_step and step > self._rates_from_step:
+            window = min(window, step - self._rates_from_step)
+        return window
+
+    def _rate_steps(self, step: int, which: str = "long") -> float:
+        """Effective steps of the ``which`` ("long" or "short") EWMA of the accesses a plan after
+        ``step`` reads."""
+        s = self.settings
+        halflife = s.rate_halflife_periods * s.replan_every if which == "long" else self._short_halflife
+        return _ewma_steps(halflife, max(1, min(int(step) - 1, self._rate_window(step))))
+
+    @property
+    def _short_halflife(self) -> float:
+        """Halflife of the short EWMA of the accesses (steps): a quarter re-plan period."""
+        return max(1.0, self.settings.replan_every / 4)
+
+    def rate_variance(self, rates: "pd.Series", which: str = "long") -> dict[str, float]:
+        """Variance of each shard's accesses per step ``rates`` under the ``which`` EWMA of a plan
+        made now (:func:`_rate_variance`, capped at the shards' most accesses in a step as the last
+        profile read says); empty without ``change_z`` (no noise model: the policy's
+        ``hold_rate_change`` alone)."""
+        s = self.settings
+        if s.change_z is None:
+            return {}
+        return _rate_variance(rates, self._rate_steps(self._step_now, which), s.rate_dispersion, self._caps).to_dict()
 
     def min_gain_fraction(self, rates: "pd.Series | None", realised: float | None, noise: float | None,
-                          drifted: bool = False) -> float:
+                          drifted: bool = False, calibration_error: float | None = None) -> float:
         """The smallest gain, as a fraction of the step, worth adopting a plan for: what a
         measurement can tell apart (``min_gain_fraction``; the steps' noise, ``refine_noise_z``
         times it once a plan for accesses like ``rates`` has landed, since the next one refines
@@ -381,16 +448,35 @@ class AdaptiveController:
         realised gain (``realised``) has calibrated the model's gains, the model's own error on
         its landed plans (after that the gains are scaled instead: holding the scaled gain to the
         unscaled model's error would count the error twice); both only from plans made from
-        accesses like these (a routing change starts afresh). ``min_gain_fraction`` 0 asks for every predicted gain (tests, a user who knows):
-        no noise term."""
+        accesses like these (a routing change starts afresh). Before any such plan has landed,
+        the model's error on this run stands in for it: the larger of its landed plans' error
+        under other accesses (:attr:`model_error`; those since the last shift of the accesses,
+        :meth:`accesses_shifted`) and its error on the placement it is measuring
+        (``calibration_error``: |measured - simulated| / measured step of the placement in force,
+        what calibrating the simulator had to add) - a model 9% off on what it measures cannot
+        promise 6% (the dense GPT at 50%: such plans measured no gain and were reverted, every
+        revert ping-pong); not for a reaction to a drift, whose newest accesses neither the older
+        plans nor the older steps it is calibrated on ran (the first plans for a new routing must
+        not wait on the old one's errors). ``min_gain_fraction`` 0 asks for every predicted gain (tests, a user
+        who knows): no noise term."""
         floor = self.policy.settings.min_gain_fraction
         if floor <= 0:
             noise_term = 0.0
         else:
             refining = realised is not None and not drifted
             noise_term = (noise or 0.0) * (self.settings.refine_noise_z if refining else 1.0)
-        model_term = (self.model_error_for(rates) or 0.0) if realised is None else 0.0
-        return max(floor, noise_term, model_term)
+        model_term = None
+        if realised is None:
+            model_term = self.model_error_for(rates)
+            if model_term is None and not drifted and floor > 0:
+                # no plan for these accesses has landed: the model's error on this run so far (its
+                # landed plans under other accesses; the MoE at 20%: 33-40% off, and a plan for
+                # accesses that moved by noise promised 22% and measured 28% slower) and on the
+                # placement it measures now, whichever is larger
+                since_shift = [v for v in self.verified if v.get("step", 0) >= self._rates_from_step]
+                known = [e for e in (self._error_of(since_shift), calibration_error) if e is not None]
+                model_term = max(known) if known else None
+        return max(floor, noise_term, model_term or 0.0)
 
     def gain_realised_for(self, rates: "pd.Series | None") -> float | None:
         """:attr:`gain_realised` over the plans made from accesses like ``rates`` only (not
@@ -468,14 +554,26 @@ class AdaptiveController:
 
     # ------------------------------------------------------------------ the engine's hook
     def after_step(self, engine) -> list[Move] | None:
+        t0 = time.perf_counter()
+        try:
+            return self._after_step(engine)
+        finally:
+            self._own_s = time.perf_counter() - t0
+
+    def _after_step(self, engine) -> list[Move] | None:
         step = engine.global_steps
         self._step_now = step
         self._learn_migration_cost(getattr(engine, "last_migration", None))
         last = getattr(engine, "last_step", None)  # the previous step's {"wall_s": ...}
-        # measured: the steps of the placement in force, less its first (it records the module trace again)
+        # measured: the steps of the placement in force, less its first (it records the module
+        # trace again), each less what this hook spent in it (planning, up to a second on the
+        # MoE, and the migration): a placement is judged on its training steps - with plans every
+        # few steps after a drift, one step in three carried a plan and inflated the noise
         if last and last.get("wall_s") is not None and self._target is None and step - 1 > self._settled_step:
-            self._recent_s.append(float(last["wall_s"]))
-            self._placement_s[-1].append(float(last["wall_s"]))
+            wall_s = float(last["wall_s"]) - self._own_s - float(last.get("migration_s") or 0.0)
+            wall_s = max(wall_s, 0.0)
+            self._recent_s.append(wall_s)
+            self._placement_s[-1].append(wall_s)
         if self._target is not None:
             left = diff_moves(homes_of(engine.placement), self._target)
             if left:
@@ -496,6 +594,10 @@ class AdaptiveController:
             if failed:
                 return self._revert(engine, step, check, measured, failed)
             self._rejudge = (check, self.verified[-1])
+            # Kept: from here on its own steps are its prediction, as calibrating the simulator on
+            # the placement in force makes it at the next plan (the plan's prediction was the
+            # model's before any step of it was measured; a drift is judged against what it runs at).
+            self._predicted_step_s = measured
         if self._verify is not None:
             return None  # the plan in force is measured before the next one is made
         if step - self._settled_step < s.first_plan_after:
@@ -544,10 +646,12 @@ class AdaptiveController:
         # changes, from up to rate_window_periods re-plan periods, so that a few tokens a step do
         # not make every plan chase noise (churn).
         workload = Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
-                                         rate_steps=max(2, s.rate_window_periods * s.replan_every),
+                                         rate_steps=max(2, self._rate_window(step)),
                                          rate="short" if drifted else "long",
                                          long_halflife_steps=float(s.rate_halflife_periods * s.replan_every),
-                                         short_halflife_steps=max(1.0, s.replan_every / 4))
+                                         short_halflife_steps=self._short_halflife)
+        if "accesses_max" in workload.shards:
+            self._caps = workload.shards["accesses_max"].astype(float).set_axis(workload.shards["shard"])
         constant = _rate_change(_rates(workload, "short"), _rates(workload, "long")) < s.constant_rate_change
         if not drifted and self._unchanged(engine, workload):
             self._record_unchanged(engine, step, workload)
@@ -581,9 +685,21 @@ class AdaptiveController:
         current_step_s = now_sim.predict(current).step_s
         density = plan.density()
         rates = _rates(workload)  # the long EWMA's, also after a drift: plans compare like with like
+        # The ping-pong hold asks whether a home's own accesses changed since the plan that moved
+        # it, on the accesses this plan is made from: after a drift those of the short EWMA (with
+        # its larger noise) - the long one lags a routing change by tens of steps, and held the
+        # old hot set in DRAM that long.
+        which = "short" if drifted else "long"
+        hold_rates = _rates(workload, which)
+        hold_variance = self.rate_variance(hold_rates, which)
+        shifted = drifted and self.accesses_shifted(_rates(workload, "short"), _rates(workload, "long"))
+        if shifted:  # the next plans read the accesses from the steps that drifted on
+            self._rates_from_step = max(self._rates_from_step, step - s.drift_steps)
         realised = self.gain_realised_for(rates)
         noise = self.step_noise
-        min_gain = self.min_gain_fraction(rates, realised, noise, drifted)
+        # what calibrating on the placement in force had to add: the model's error on what it measures
+        calibration_error = abs(float(workload.overhead_s)) / float(workload.measured_step_s) if workload.measured_step_s else None
+        min_gain = self.min_gain_fraction(rates, realised, noise, drifted, calibration_error)
         decision = self.policy.decide(
             current, plan.homes(), current_step_s=current_step_s,
             predict_step_s=lambda homes: sim.predict(homes).step_s,
@@ -593,7 +709,10 @@ class AdaptiveController:
             gain_scale=1.0 if realised is None else realised,
             # a home a recent plan moved goes back only if its own accesses changed since (ping-pong),
             # by more than their noise
-            rates=rates.to_dict(), rate_variance=self.rate_variance_per_access(),
+            rates=hold_rates.to_dict(), rate_variance=hold_variance,
+            # the accesses as a whole moved (a routing change): every home may go where it now
+            # belongs; one home's few steps since cannot show it, all of them together can
+            accesses_changed=shifted,
         )
         if decision.adopt and self._failed is not None:
             changed = _rate_change(rates, self._failed.rates)
@@ -614,7 +733,7 @@ class AdaptiveController:
             "current_step_s": current_step_s, "measured_step_s": workload.measured_step_s,
             "solver": plan.method, "solver_s": plan.solve_s, "note": plan.note, "trigger": "drift" if drifted else "schedule",
             "model_error": self.model_error, "model_gain_s": model_gain_s, "step_noise": noise,
-            "min_gain_fraction": min_gain,
+            "min_gain_fraction": min_gain, "accesses_shifted": shifted, "calibration_error": calibration_error,
         }
         self.recorder.record_plan(
             self.plans_made, _assignments(engine.placement, decision.placement, density), policy="adaptive", created_step=step,
@@ -630,7 +749,7 @@ class AdaptiveController:
         self._sample_detail(False)  # the new placement's steps are measured in full
         self._rejudge = None  # its placement is being replaced
         self.plans_adopted += 1
-        self.policy.adopted(decision, current, rates.to_dict(), rate_variance=self.rate_variance_per_access())
+        self.policy.adopted(decision, current, hold_rates.to_dict(), rate_variance=hold_variance)
         engine.plan_version += 1
         self._target = decision.placement
         self._predicted_step_s = predicted_s
@@ -687,12 +806,11 @@ class AdaptiveController:
         """Why a landed plan is to be reverted, or None: measured slower than the placement it
         replaced by more than ``revert_fraction``; or, although the model promised a gain of at
         least ``revert_fraction`` and of the steps' noise (:attr:`step_noise`), no clear gain: a
-        measured gain below both ``realised_min_share`` of the promise and
-        ``realised_noise_z`` x the noise (a gain the measurement cannot tell from none; without a
-        noise estimate: no faster at all). A promise that far off is the model being wrong about
-        this workload, not noise (the dense GPT at 30-50%: a 7-30% promise, measured 0-4% slower,
-        kept by the 5% band alone; at 30% a 169 ms promise measured 13 ms faster than 5 steps
-        before it, then ran 4% behind ``max_in_cpu``)."""
+        measured gain of at most ``realised_noise_z`` x the noise (and ``realised_min_share`` of
+        the promise; the default 0: no gain at all). A promise that far off is the model being
+        wrong about this workload, not noise (the dense GPT at 30%: a 30% promise measured 1-4%
+        slower, kept by the 5% band alone). Judged over its first ``verify_steps`` and again over
+        all its steps (:meth:`_judge_again`)."""
         s = self.settings
         before = check.before_s
         if measured_s > before * (1 + s.revert_fraction):
@@ -702,8 +820,9 @@ class AdaptiveController:
         gain = before - measured_s
         clear = min(s.realised_noise_z * noise * before, s.realised_min_share * check.model_gain_s)
         if check.model_gain_s >= promised and gain <= clear:
-            return (f"no clear gain: {gain * 1e3:.1f} ms/step measured (at most {clear * 1e3:.1f}: "
-                    f"within the noise), {check.model_gain_s * 1e3:.1f} ms/step promised")
+            within = f" (at most {clear * 1e3:.1f}: within the noise)" if clear > 0 else ""
+            return (f"no clear gain: {gain * 1e3:.1f} ms/step measured{within}, "
+                    f"{check.model_gain_s * 1e3:.1f} ms/step promised")
         return None
 
     def _judge_again(self, engine, step: int) -> list[Move] | None:

@@ -84,7 +84,9 @@ def access_rates(shard_steps: pd.DataFrame, shards: Sequence[str] | pd.DataFrame
 
     Returns one row per shard: ``shard``, for each phase in :data:`PHASES` ``<phase>_short`` and
     ``<phase>_long`` (accesses per step), ``accesses_short``/``accesses_long`` (all phases),
-    ``accesses_last`` (the last step's), ``unstable``.
+    ``accesses_last`` (the last step's), ``accesses_max`` (the most in one step of the timeline:
+    a routed expert's accesses are capped there - hit or not in each micro-batch - so a shard at
+    its cap does not vary, which a noise model must know), ``unstable``.
     """
     names = list(shards["name"] if isinstance(shards, pd.DataFrame) and "name" in shards else
                  shards["shard"] if isinstance(shards, pd.DataFrame) else shards)
@@ -125,6 +127,7 @@ def access_rates(shard_steps: pd.DataFrame, shards: Sequence[str] | pd.DataFrame
     out["accesses_short"] = total_short
     out["accesses_long"] = total_long
     out["accesses_last"] = sum(m[-1] for m in mats.values()) if T else np.zeros(S)
+    out["accesses_max"] = sum(mats.values()).max(axis=0) if T else np.zeros(S)
     big = np.maximum(total_short, total_long)
     out["unstable"] = (np.abs(total_short - total_long) > unstable_threshold * big) & (big >= min_accesses)
     return out

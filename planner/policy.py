@@ -80,8 +80,10 @@ class PolicySettings:
     hold_noise_z: float = 3.0
     """With ``rate_variance`` given to :meth:`PlacementPolicy.decide`, a home's accesses have
     changed only if the difference is also more than this many standard deviations of their noise
-    (``sqrt(rate_variance_then x then + rate_variance x now)``, the first as given to :meth:`adopted`): at 16 tokens a step an expert's smoothed accesses moved
-    by half on noise alone, which let plans send homes back and forth (ping-pong)."""
+    (``sqrt(variance then + variance now)``, the first as given to :meth:`adopted`; a
+    ``rate_variance`` is either per access per step, the variance being it x the rate, or each
+    shard's variance itself): at 16 tokens a step an expert's smoothed accesses moved by half on
+    noise alone, which let plans send homes back and forth (ping-pong)."""
 
 
 @dataclass
@@ -110,6 +112,21 @@ class Decision:
         }
 
 
+def _variance_spec(rate_variance: float | Mapping[str, float]) -> float | dict[str, float]:
+    """A ``rate_variance`` as :meth:`PlacementPolicy.decide` takes it, checked and copied."""
+    if isinstance(rate_variance, Mapping):
+        return {k: max(0.0, float(v)) for k, v in rate_variance.items()}
+    return max(0.0, float(rate_variance))
+
+
+def _variance_of(spec: float | Mapping[str, float], shard: str, rate: float) -> float:
+    """Variance of ``shard``'s accesses per step ``rate`` under ``spec`` (per access per step, or
+    per shard; a shard it does not name: 0)."""
+    if isinstance(spec, Mapping):
+        return float(spec.get(shard, 0.0))
+    return spec * rate
+
+
 def diff_moves(current: Mapping[Home, str], target: Mapping[Home, str]) -> list[Move]:
     """The moves from ``current`` to ``target`` between the movable tiers, evictions first."""
     evict, admit = [], []
@@ -130,8 +147,8 @@ class PlacementPolicy:
         # the accesses per step per shard each of those plans was made from (None: not given)
         self._rates: deque[Mapping[str, float] | None] = deque(maxlen=max(1, self.settings.pingpong_plans))
         self.pingpong_total = 0
-        self._rate_variance = 0.0  # of the decide() under way (see hold_noise_z)
-        self._variances: deque[float] = deque(maxlen=max(1, self.settings.pingpong_plans))  # of each remembered plan's rates
+        self._rate_variance: float | Mapping[str, float] = 0.0  # of the decide() under way (see hold_noise_z)
+        self._variances: deque[float | Mapping[str, float]] = deque(maxlen=max(1, self.settings.pingpong_plans))  # of each remembered plan's rates
 
     def decide(
         self,
@@ -149,7 +166,7 @@ class PlacementPolicy:
         gain_scale: float = 1.0,
         accesses_changed: bool = False,
         rates: Mapping[str, float] | None = None,
-        rate_variance: float = 0.0,
+        rate_variance: float | Mapping[str, float] = 0.0,
     ) -> Decision:
         """Judge ``candidate`` against ``current`` (both ``{home: tier}``).
 
@@ -166,11 +183,12 @@ class PlacementPolicy:
         last adopted plans, so any home may go back where it was (no ping-pong hold); ``rates``:
         accesses per step per shard now, against which a home's accesses at the plan that moved
         it are compared (without them, or without those, every return is held); ``rate_variance``:
-        variance of a shard's accesses per step per access per step (the caller's noise model of
-        its smoothed rates; 0: none), see ``hold_noise_z``.
+        the caller's noise model of its smoothed rates, see ``hold_noise_z``: variance per access
+        per step (a number), or each shard's variance of its ``rates`` ({shard: variance}); 0 or
+        empty: none.
         """
         s = self.settings
-        self._rate_variance = max(0.0, float(rate_variance))
+        self._rate_variance = _variance_spec(rate_variance)
         min_gain = s.min_gain_fraction if min_gain_fraction is None else min_gain_fraction
         target = self._warm_band(current, candidate, density, dram_bytes, dram_room_bytes)
         kept = sum(1 for h, t in candidate.items() if target.get(h) != t)
@@ -202,13 +220,13 @@ class PlacementPolicy:
                         f"{s.margin:g} x migration {cost_s * 1e3:.1f} ms", **base)
 
     def adopted(self, decision: Decision, before: Mapping[Home, str], rates: Mapping[str, float] | None = None,
-                rate_variance: float | None = None) -> None:
+                rate_variance: float | Mapping[str, float] | None = None) -> None:
         """Remember an adopted plan (``before``: the placement it replaced; ``rates``: the accesses
         per step per shard it was made from; ``rate_variance``: their noise as in :meth:`decide`,
         default that of the last decide: an early plan's rates average fewer steps) for ping-pong."""
         self._history.append(dict(before))
         self._rates.append(dict(rates) if rates is not None else None)
-        self._variances.append(self._rate_variance if rate_variance is None else max(0.0, float(rate_variance)))
+        self._variances.append(self._rate_variance if rate_variance is None else _variance_spec(rate_variance))
         self.pingpong_total += decision.pingpong_moves
 
     # -- helpers ---------------------------------------------------------------------------
@@ -258,7 +276,7 @@ class PlacementPolicy:
                 if then is None or home[0] not in then or home[0] not in rates:
                     return False
                 a, b = float(then[home[0]]), float(rates[home[0]])
-                noise = s.hold_noise_z * math.sqrt(v_then * a + self._rate_variance * b)
+                noise = s.hold_noise_z * math.sqrt(_variance_of(v_then, home[0], a) + _variance_of(self._rate_variance, home[0], b))
                 return abs(a - b) > max(s.hold_rate_change * max(a, b, s.hold_min_accesses), noise)
         return False
 

@@ -33,7 +33,9 @@ Shard table columns (units in the names; one row per shard, sorted by ``order``)
 ============================  ===================================================================
 
 A workload from a profile also has ``accesses_short`` and ``accesses_long``: all accesses per step
-under the short and the long EWMA, whichever ``rate`` filled the columns above.
+under the short and the long EWMA, whichever ``rate`` filled the columns above; and
+``accesses_max``: the most accesses the shard had in one step of the rate window (a routed expert
+hit in every micro-batch is at its cap and does not vary: the planner's noise model uses it).
 
 Step-level numbers (seconds per optimizer step unless said otherwise): ``compute_fwd_s`` and
 ``compute_bwd_s`` (measured phase seconds minus the stall inside them), ``update_s_per_elem`` and
@@ -342,6 +344,7 @@ class Workload:
             # 16-step one, whose difference is mostly the short one's noise)
             "accesses_short": rates["accesses_short"].reindex(names).to_numpy(),
             "accesses_long": rates["accesses_long"].reindex(names).to_numpy(),
+            "accesses_max": rates["accesses_max"].reindex(names).to_numpy(),
             "pin_param": [_pin(param_pins, m) for m in members],
             "pin_optim": [_pin(optim_pins, m) if t else None for m, t in zip(members, trainable)],
             "param_tier": stats["param_tier"].reindex(names).to_numpy(),

@@ -97,6 +97,17 @@ def test_unstable_when_short_and_long_disagree():
     assert not r.loc["trickle", "unstable"]
 
 
+def test_each_shards_most_accesses_in_one_step():
+    """accesses_max: the most accesses (all phases) a shard had in one step of the timeline - the
+    cap a routed expert's accesses cannot exceed; a window of several steps counts per step."""
+    rows = [(1, "expert", 1, 1, 1), (3, "expert", 1, 1, 1), (1, "dense", 2, 2, 1), (2, "dense", 2, 2, 1),
+            (3, "dense", 2, 2, 1), (1, "sampled", 8, 8, 4, 4)]
+    r = access_rates(rows_frame(rows), ["expert", "dense", "sampled", "never"], steps=[1, 2, 3, 4]).set_index("shard")
+    assert r.loc["expert", "accesses_max"] == 3.0 and r.loc["dense", "accesses_max"] == 5.0
+    assert r.loc["sampled", "accesses_max"] == 5.0  # 20 accesses over a 4-step window: 5 a step
+    assert r.loc["never", "accesses_max"] == 0.0
+
+
 def test_an_idle_expert_decays_to_zero():
     steps = list(range(1, 31))
     rows = [(s, "dense", 2, 2, 1) for s in steps] + [(s, "expert", 4, 4, 1) for s in (1, 2, 3)]  # then no rows

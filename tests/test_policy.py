@@ -232,3 +232,21 @@ def test_a_home_whose_accesses_moved_within_their_noise_stays_held():
     early = PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0, margin=0, hold_rate_change=0.5))
     early.adopted(early.decide(a, b, rates={"s0": 1.0, "s1": 2.0}, **kw), a, {"s0": 1.0, "s1": 2.0}, rate_variance=3.0)
     assert early.decide(b, a, rates=moved, rate_variance=3.0 / 150, **kw).held_back == 2
+
+
+def test_a_per_shard_noise_model_releases_a_home_at_its_cap():
+    """rate_variance may give each shard's variance: a hot expert hit in every step (at its cap)
+    has none, so its fall from 3 to 0.5 accesses a step after a routing change is a change, where
+    a noise model that counts every rate as a Poisson-like count (per access: 3 x rate / 6 steps)
+    holds it back."""
+    at_cap, fell = {"s0": 3.0, "s1": 3.0}, {"s0": 0.5, "s1": 0.5}
+    homes, poisson, kw, a, b = two_homes_swapped()
+    poisson.adopted(poisson.decide(a, b, rates=at_cap, **kw), a, at_cap, rate_variance=3.0 / 6)
+    held = poisson.decide(b, a, rates=fell, rate_variance=3.0 / 6, **kw)  # sd sqrt(1.5 + 0.25): 3 sd > 2.5
+    assert held.held_back == 2 and not held.adopt
+    homes, capped, kw, a, b = two_homes_swapped()
+    capped.adopted(capped.decide(a, b, rates=at_cap, **kw), a, at_cap, rate_variance={"s0": 0.0, "s1": 0.0})
+    released = capped.decide(b, a, rates=fell, rate_variance={"s0": 0.2, "s1": 0.2}, **kw)  # 3 sd = 1.34 < 2.5
+    assert released.held_back == 0 and released.adopt
+    # still noise when the new rates are that uncertain (3 sd = 3 > 2.5)
+    assert capped.decide(b, a, rates=fell, rate_variance={"s0": 1.0, "s1": 1.0}, **kw).held_back == 2
