@@ -443,8 +443,9 @@ class AdaptiveController:
         """The smallest gain, as a fraction of the step, worth adopting a plan for: what a
         measurement can tell apart (``min_gain_fraction``; the steps' noise, ``refine_noise_z``
         times it once a plan for accesses like ``rates`` has landed, since the next one refines
-        rather than reacts - unless the steps ``drifted`` from the prediction, which is a reaction
-        too: the long EWMA's accesses lag a routing change by tens of steps) and, until a plan's
+        rather than reacts - unless the steps ``drifted`` from the prediction and the accesses
+        shifted with them (:meth:`accesses_shifted`), which is a reaction too: the long EWMA's
+        accesses lag a routing change by tens of steps) and, until a plan's
         realised gain (``realised``) has calibrated the model's gains, the model's own error on
         its landed plans (after that the gains are scaled instead: holding the scaled gain to the
         unscaled model's error would count the error twice); both only from plans made from
@@ -637,21 +638,30 @@ class AdaptiveController:
         # the steps recorded since the placement changed (up to the previous one: this step's row
         # is written after this hook), less the first (it records the module trace again)
         since = step - 1 - self._settled_step
-        # A drift means the recent steps no longer look like the older ones: plan from the short
-        # EWMA of the accesses then; a scheduled plan smooths over the longer one.
+        # Plans smooth the accesses over the long EWMA; a drift whose accesses have shifted (a
+        # routing change: the short EWMA moved from the long one beyond their noise across all
+        # shards) is a reaction, planned from the short EWMA. A drift of the step alone (its
+        # noise, the model's error) is planned and gated like a scheduled plan: at 50% such
+        # drift plans, made from a noisy short EWMA and held to one noise, measured slower.
         # The long EWMA's halflife is rate_halflife_periods re-plan periods (long enough to
         # average out the token noise of small batches; a plan pays back over a few periods), the
         # short one a quarter period.
         # Timings come from the steps of the placement in force; access rates, which no placement
         # changes, from up to rate_window_periods re-plan periods, so that a few tokens a step do
         # not make every plan chase noise (churn).
-        workload = Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
-                                         rate_steps=max(2, self._rate_window(step)),
-                                         rate="short" if drifted else "long",
+        def profile(rate: str) -> Workload:
+            return Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
+                                         rate_steps=max(2, self._rate_window(step)), rate=rate,
                                          long_halflife_steps=float(s.rate_halflife_periods * s.replan_every),
                                          short_halflife_steps=self._short_halflife)
+
+        workload = profile("long")
         if "accesses_max" in workload.shards:
             self._caps = workload.shards["accesses_max"].astype(float).set_axis(workload.shards["shard"])
+        shifted = drifted and self.accesses_shifted(_rates(workload, "short"), _rates(workload, "long"))
+        if shifted:
+            workload = profile("short")
+            self._rates_from_step = max(self._rates_from_step, step - s.drift_steps)  # the next plans' window
         constant = _rate_change(_rates(workload, "short"), _rates(workload, "long")) < s.constant_rate_change
         if not drifted and self._unchanged(engine, workload):
             self._record_unchanged(engine, step, workload)
@@ -686,20 +696,17 @@ class AdaptiveController:
         density = plan.density()
         rates = _rates(workload)  # the long EWMA's, also after a drift: plans compare like with like
         # The ping-pong hold asks whether a home's own accesses changed since the plan that moved
-        # it, on the accesses this plan is made from: after a drift those of the short EWMA (with
+        # it, on the accesses this plan is made from: after a shift those of the short EWMA (with
         # its larger noise) - the long one lags a routing change by tens of steps, and held the
         # old hot set in DRAM that long.
-        which = "short" if drifted else "long"
+        which = "short" if shifted else "long"
         hold_rates = _rates(workload, which)
         hold_variance = self.rate_variance(hold_rates, which)
-        shifted = drifted and self.accesses_shifted(_rates(workload, "short"), _rates(workload, "long"))
-        if shifted:  # the next plans read the accesses from the steps that drifted on
-            self._rates_from_step = max(self._rates_from_step, step - s.drift_steps)
         realised = self.gain_realised_for(rates)
         noise = self.step_noise
         # what calibrating on the placement in force had to add: the model's error on what it measures
         calibration_error = abs(float(workload.overhead_s)) / float(workload.measured_step_s) if workload.measured_step_s else None
-        min_gain = self.min_gain_fraction(rates, realised, noise, drifted, calibration_error)
+        min_gain = self.min_gain_fraction(rates, realised, noise, shifted, calibration_error)
         decision = self.policy.decide(
             current, plan.homes(), current_step_s=current_step_s,
             predict_step_s=lambda homes: sim.predict(homes).step_s,
