@@ -382,30 +382,33 @@ class AdaptiveController:
     def _accesses_changed(self, now: "pd.Series", then: "pd.Series", then_step: int | None = None) -> bool:
         """Whether the accesses per step (long EWMA) ``now`` differ from ``then`` (those of a
         plan made after step ``then_step``; default now) by more than ``retry_rate_change`` (L1)
-        and, with ``change_z``, by more than their noise (:func:`_change_z`; each EWMA's effective
-        steps bounded by the steps run when it was taken: an early plan's rates average few)."""
+        and, with ``change_z``, by more than their noise (:meth:`_beyond_noise`; each EWMA's
+        effective steps bounded by the steps run when it was taken: an early plan's rates average
+        few)."""
         s = self.settings
-        if _rate_change(now, then) < s.retry_rate_change:
-            return False
         if s.change_z is None:
-            return True
-        return _change_z(now, then, self._rate_steps(self._step_now), s.rate_dispersion,
-                         self._rate_steps(then_step if then_step is not None else self._step_now),
-                         caps=self._caps) > s.change_z
+            return _rate_change(now, then) >= s.retry_rate_change
+        return self._beyond_noise(now, then, self._rate_steps(self._step_now),
+                                  self._rate_steps(then_step if then_step is not None else self._step_now))
 
     def accesses_shifted(self, short: "pd.Series", long: "pd.Series") -> bool:
         """Whether the newest steps' accesses per step (``short``: the short EWMA) have moved away
         from the long run's (``long``) by more than ``retry_rate_change`` (L1) and beyond their
-        noise (:func:`_change_z`, each EWMA's own effective steps now, capped as the last profile
-        read says): a routing change, seen across all shards together a few steps after it, when
-        no single home's accesses can yet tell it from noise. Needs ``change_z``."""
+        noise (:meth:`_beyond_noise`, each EWMA's own effective steps now): a routing change, seen
+        across all shards together a few steps after it, when no single home's accesses can yet
+        tell it from noise. Needs ``change_z``."""
+        return self.settings.change_z is not None and self._beyond_noise(
+            short, long, self._rate_steps(self._step_now, "short"), self._rate_steps(self._step_now))
+
+    def _beyond_noise(self, a: "pd.Series", b: "pd.Series", a_steps: float, b_steps: float) -> bool:
+        """Whether two accesses-per-step vectors, EWMAs over ``a_steps`` and ``b_steps`` effective
+        steps, differ by at least ``retry_rate_change`` (L1) and by more than ``change_z``
+        standard deviations of their noise (:func:`_change_z`, capped as the last profile read
+        says)."""
         s = self.settings
-        if s.change_z is None:
+        if _rate_change(a, b) < s.retry_rate_change:
             return False
-        if _rate_change(short, long) < s.retry_rate_change:
-            return False
-        return _change_z(short, long, self._rate_steps(self._step_now, "short"), s.rate_dispersion,
-                         self._rate_steps(self._step_now), caps=self._caps) > s.change_z
+        return _change_z(a, b, a_steps, s.rate_dispersion, b_steps, caps=self._caps) > s.change_z
 
     def _rate_window(self, step: int) -> int:
         """Steps of accesses a plan after ``step`` reads: ``rate_window_periods`` re-plan periods,
@@ -658,11 +661,14 @@ class AdaptiveController:
         workload = profile("long")
         if "accesses_max" in workload.shards:
             self._caps = workload.shards["accesses_max"].astype(float).set_axis(workload.shards["shard"])
-        shifted = drifted and self.accesses_shifted(_rates(workload, "short"), _rates(workload, "long"))
+        # both EWMAs of every shard's accesses, whichever filled the workload's phase columns
+        short_rates, rates = _rates(workload, "short"), _rates(workload, "long")
+        shifted = drifted and self.accesses_shifted(short_rates, rates)
         if shifted:
+            # the same profile again, its phase columns from the short EWMA (rare: a routing change)
             workload = profile("short")
             self._rates_from_step = max(self._rates_from_step, step - s.drift_steps)  # the next plans' window
-        constant = _rate_change(_rates(workload, "short"), _rates(workload, "long")) < s.constant_rate_change
+        constant = _rate_change(short_rates, rates) < s.constant_rate_change
         if not drifted and self._unchanged(engine, workload):
             self._record_unchanged(engine, step, workload)
             self._sample_detail(constant)
@@ -694,13 +700,13 @@ class AdaptiveController:
         # chosen plan leaves room for (the engine re-sizes them from what the homes leave).
         current_step_s = now_sim.predict(current).step_s
         density = plan.density()
-        rates = _rates(workload)  # the long EWMA's, also after a drift: plans compare like with like
+        # plans compare the long EWMA's accesses (``rates``), also after a shift: like with like.
         # The ping-pong hold asks whether a home's own accesses changed since the plan that moved
         # it, on the accesses this plan is made from: after a shift those of the short EWMA (with
         # its larger noise) - the long one lags a routing change by tens of steps, and held the
         # old hot set in DRAM that long.
         which = "short" if shifted else "long"
-        hold_rates = _rates(workload, which)
+        hold_rates = short_rates if shifted else rates
         hold_variance = self.rate_variance(hold_rates, which)
         realised = self.gain_realised_for(rates)
         noise = self.step_noise
