@@ -149,6 +149,7 @@ class PlacementPolicy:
         self.pingpong_total = 0
         self._rate_variance: float | Mapping[str, float] = 0.0  # of the decide() under way (see hold_noise_z)
         self._variances: deque[float | Mapping[str, float]] = deque(maxlen=max(1, self.settings.pingpong_plans))  # of each remembered plan's rates
+        self._provisional: deque[bool] = deque(maxlen=max(1, self.settings.pingpong_plans))  # see adopted()
 
     def decide(
         self,
@@ -220,11 +221,16 @@ class PlacementPolicy:
                         f"{s.margin:g} x migration {cost_s * 1e3:.1f} ms", **base)
 
     def adopted(self, decision: Decision, before: Mapping[Home, str], rates: Mapping[str, float] | None = None,
-                rate_variance: float | Mapping[str, float] | None = None) -> None:
+                rate_variance: float | Mapping[str, float] | None = None, provisional: bool = False) -> None:
         """Remember an adopted plan (``before``: the placement it replaced; ``rates``: the accesses
         per step per shard it was made from; ``rate_variance``: their noise as in :meth:`decide`,
-        default that of the last decide: an early plan's rates average fewer steps) for ping-pong."""
+        default that of the last decide: an early plan's rates average fewer steps) for ping-pong.
+        ``provisional``: the plan was made from a few steps of new accesses (a reaction to a
+        routing change); a later plan may send the homes it moved back without the hold - it has
+        more steps of the new accesses than the reaction had, and holding a few steps' guess
+        against them kept the MoE's step from recovering. Still counted as ping-pong."""
         self._history.append(dict(before))
+        self._provisional.append(provisional)
         self._rates.append(dict(rates) if rates is not None else None)
         self._variances.append(self._rate_variance if rate_variance is None else _variance_spec(rate_variance))
         self.pingpong_total += decision.pingpong_moves
@@ -267,12 +273,16 @@ class PlacementPolicy:
 
     def _changed(self, home: Home, dst: str, current, rates) -> bool:
         """Whether ``home``'s accesses per step now (``rates``) differ from those of the newest
-        remembered plan that moved it away from ``dst`` by more than ``hold_rate_change``."""
+        remembered plan that moved it away from ``dst`` by more than ``hold_rate_change`` (always,
+        if that plan was provisional)."""
         if rates is None:
             return False
         s = self.settings
-        for past, then, v_then in zip(reversed(self._history), reversed(self._rates), reversed(self._variances)):
+        for past, then, v_then, provisional in zip(reversed(self._history), reversed(self._rates),
+                                                   reversed(self._variances), reversed(self._provisional)):
             if past.get(home) == dst and current.get(home) != dst:  # that plan moved it away
+                if provisional:
+                    return True
                 if then is None or home[0] not in then or home[0] not in rates:
                     return False
                 a, b = float(then[home[0]]), float(rates[home[0]])

@@ -202,6 +202,18 @@ class Workload:
         """A copy with :attr:`overhead_s` set (what ``simulator.calibrate`` returns)."""
         return replace(self, shards=self.shards.copy(), overhead_s=float(overhead_s))
 
+    def with_fetch_overhead(self, fetch_overhead_s: float, how: str) -> "Workload":
+        """A copy with :attr:`fetch_overhead_s` set and ``source["fetch_overhead"]`` saying where
+        it came from (a planner that knows it from elsewhere than this profile read)."""
+        return replace(self, shards=self.shards.copy(), fetch_overhead_s=float(fetch_overhead_s),
+                       source={**self.source, "fetch_overhead": how})
+
+    @property
+    def fetch_overhead_measured(self) -> bool:
+        """Whether :attr:`fetch_overhead_s` was measured on NVMe param fetches of the profile
+        (:func:`_fetch_overhead`), rather than 0 for want of any."""
+        return not str(self.source.get("fetch_overhead", "")).startswith("no NVMe param")
+
     def all_nvme_placement(self) -> dict[str, dict[str, str]]:
         """Every home the planner may move on NVMe, pinned homes where pinned."""
         return self._default_placement("nvme")

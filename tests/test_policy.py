@@ -250,3 +250,17 @@ def test_a_per_shard_noise_model_releases_a_home_at_its_cap():
     assert released.held_back == 0 and released.adopt
     # still noise when the new rates are that uncertain (3 sd = 3 > 2.5)
     assert capped.decide(b, a, rates=fell, rate_variance={"s0": 1.0, "s1": 1.0}, **kw).held_back == 2
+
+
+def test_the_homes_a_provisional_plan_moved_may_go_back_without_the_hold():
+    """A reaction to a routing change is adopted as provisional (made from a few steps of the new
+    accesses): the next plan may undo its moves with accesses unchanged - still counted as
+    ping-pong - and the hold applies again to the plan after that one."""
+    homes, policy, kw, a, b = two_homes_swapped()
+    same = {"s0": 1.0, "s1": 2.0}
+    policy.adopted(policy.decide(a, b, rates=same, **kw), a, same, provisional=True)
+    back = policy.decide(b, a, rates=same, **kw)
+    assert back.adopt and back.held_back == 0 and back.pingpong_moves == 2
+    policy.adopted(back, b, same)  # the correction is not provisional: undoing it is held
+    again = policy.decide(a, b, rates=same, **kw)
+    assert not again.adopt and again.held_back == 2
