@@ -100,6 +100,10 @@ DRAM_TIERS_CUDA = ("cpu",)
 _DEVICE_TO_TIER = {"none": "gpu", "gpu": "gpu", "cpu": "cpu", "nvme": "nvme"}
 
 
+# how _fetch_overhead's "source" note begins when the profile measured no NVMe param fetch (0 then)
+NO_FETCH_MEASURED = "no NVMe param"
+
+
 class WorkloadError(ZinfError):
     """The profile cannot describe a workload (no steps, no shards, unknown placement keys)."""
 
@@ -212,7 +216,7 @@ class Workload:
     def fetch_overhead_measured(self) -> bool:
         """Whether :attr:`fetch_overhead_s` was measured on NVMe param fetches of the profile
         (:func:`_fetch_overhead`), rather than 0 for want of any."""
-        return not str(self.source.get("fetch_overhead", "")).startswith("no NVMe param")
+        return not str(self.source.get("fetch_overhead", "")).startswith(NO_FETCH_MEASURED)
 
     def all_nvme_placement(self) -> dict[str, dict[str, str]]:
         """Every home the planner may move on NVMe, pinned homes where pinned."""
@@ -587,7 +591,7 @@ def _fetch_overhead(stats: pd.DataFrame, df: pd.DataFrame, micro: int, eager: bo
     rest of the fetch: waiting on the future, resizing the storage, copying out of the buffer)."""
     rows = stats[(stats["param_tier"] == "nvme")]
     if rows.empty:
-        return 0.0, "no NVMe param shard: 0"
+        return 0.0, f"{NO_FETCH_MEASURED} shard: 0"
     per = []
     for name, r in rows.iterrows():
         if df.loc[name, "chunk"] or r["param_bytes"] <= 0:
@@ -603,7 +607,7 @@ def _fetch_overhead(stats: pd.DataFrame, df: pd.DataFrame, micro: int, eager: bo
         if fetches >= 1:
             per.append(r["stall_s"] / fetches)
     if not per:
-        return 0.0, "no NVMe param fetch recorded: 0"
+        return 0.0, f"{NO_FETCH_MEASURED} fetch recorded: 0"
     return float(np.quantile(per, 0.25)), f"25th percentile of stall per fetch over {len(per)} NVMe param shards"
 
 
