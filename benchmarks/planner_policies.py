@@ -57,7 +57,9 @@ would then land in another's step. The swap files live in a fresh directory unde
 
 ``--drift-at S`` (moe): after the table, one more adaptive run per budget that calls
 ``set_routing(model, seed=routing_seed + 1)`` before step S (the hot set moves) and prints every
-step's time from S - 2 on, with the engine's plan version, so that the recovery is visible.
+step's time from S - 2 on, with the engine's plan version, so that the recovery is visible; the
+step by which the first plan after the change was adopted; and a reference run of as many steps
+with the new routing from the start, whose settled step is what "recovered" means at that budget.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -96,6 +98,8 @@ STATIC_POLICIES = ("nvme", "max_in_cpu")
 MOE_HEADLINE_BUDGET = 0.3
 MOE_TARGET_SPEEDUP = 1.5  # adaptive vs best static, skewed MoE at 30% (higher = better)
 GPT_TARGET_SPEEDUP = 0.98  # adaptive vs best static, dense GPT (at least; 1 = as fast)
+DRIFT_PLAN_PERIODS = 2  # after a routing change, a plan within this many re-plan periods ...
+DRIFT_RECOVERED = 0.05  # ... and the last steps at most this much slower than a run on the new routing from the start
 # The NVMe store's staging pool counts against the budget alike for every policy: 4 x 1 MiB
 # (the aio block size) instead of the default 4 x 4 MiB leaves more of a small budget to placement.
 STAGING = {"staging_buffers": 4, "staging_buffer_size": "1MiB"}
@@ -387,6 +391,22 @@ class Cell:
                 errs += [abs(pred - med) / med] * len(ts)
         return statistics.median(errs) if errs else None
 
+    @property
+    def pred_err_floor(self) -> float | None:
+        """The noise floor of :attr:`pred_err`: median |median - measured| / measured over the same
+        steps, where median is that of the steps each prediction was in force for - the error of a
+        predictor that knew every placement's median step exactly. A step-time model predicts the
+        typical step; no single number per placement gets below the steps' own spread."""
+        errs: list[float] = []
+        for r in self.runs:
+            by_pred: dict[float, list[float]] = {}
+            for pred, t in r.pred_pairs:
+                by_pred.setdefault(pred, []).append(t)
+            for ts in by_pred.values():
+                med = statistics.median(ts)
+                errs += [abs(med - t) / t for t in ts]
+        return statistics.median(errs) if errs else None
+
     def churn(self, budget_bytes: int) -> tuple[int, float] | None:
         """Steady state: (re-plans made in the measured steps, the most bytes one of them
         migrated as a fraction of the DRAM budget; 0 for a plan not adopted)."""
@@ -469,7 +489,8 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
             if p == "adaptive" and cell.status == "ok":
                 churn, plan_err = cell.churn(int(b * w.state_bytes)), cell.plan_err
                 note = "; ".join([
-                    (f"pred err {cell.pred_err:.1%} (of the median {cell.pred_err_of_median:.1%})"
+                    (f"pred err {cell.pred_err:.1%} (of the median {cell.pred_err_of_median:.1%}; "
+                     f"noise floor {cell.pred_err_floor:.1%})"
                      if cell.pred_err is not None else "pred err -"),
                     (f"{churn[0]} re-plans ({sum(r.not_solved for r in cell.runs)} not re-solved), "
                      f"{sum(len(r.plan_moved_bytes) for r in cell.runs)} adopted") if churn else "0 re-plans",
@@ -489,7 +510,8 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
     print("(step_s: median optimizer-step seconds; mean_s: their mean, re-plan and migration steps included; vs_best: step_s / best static policy's, < 1 = faster; "
           "dram_homes: param+optim homes in DRAM / shards, at the end of the last run; adaptive, over the measured steps (the steady state): "
           "pred err = median |predicted - measured| / measured of the steps whose placement had landed (of the median: each prediction against "
-          "the median of the steps it was in force for), re-plans made (of which not re-solved: "
+          "the median of the steps it was in force for; noise floor: that median against each of those steps, what a predictor that knew every "
+          "placement's median step would score), re-plans made (of which not re-solved: "
           "nothing had changed since the last plan solved) and adopted, churn max = "
           "the most bytes one re-plan migrated / DRAM budget, ping-pong = homes sent back within 3 plans / shards, plan err = median "
           "|predicted - measured| / measured of adopted plans once landed; shard detail sampled = measured steps during which the profiler recorded "
@@ -522,20 +544,32 @@ def headline(name: str, cells: dict[float, dict[str, Cell]] | None, budget: floa
     return "\n".join(out)
 
 
-def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[float, dict[str, Cell]]) -> None:
+def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[float, dict[str, Cell]]) -> list[str]:
     """Adaptive MoE runs in which the hot experts move before step --drift-at: every step's time
-    from two steps before the switch on, and the medians of --steps steps before it and at the end."""
+    from two steps before the switch on, the medians of --steps steps before it and at the end,
+    when the first plan after the switch was adopted (in re-plan periods), and a
+    reference: an adaptive run of as many steps on the new routing from its first step, whose
+    last --steps steps are what this budget reaches on that routing once settled (the new hot set
+    may be more or less skewed than the old one, so the steps before the switch are not it).
+    Returns one headline per budget: the drift target is a plan within DRIFT_PLAN_PERIODS re-plan
+    periods and the last steps within DRIFT_RECOVERED of the reference's."""
     total = args.drift_at + args.warmup + args.steps  # --warmup + --steps steps to recover
+    verdicts: list[str] = []
+    moved = copy.deepcopy(w.model)
+    seed = set_routing(moved, seed=moved.config.routing_seed + 1).routing_seed
+    w_new = replace(w, model=moved)
     for b in budgets:
         n = largest_max_in_cpu(w, swap, int(b * w.state_bytes)) if args.adaptive_start == "max_in_cpu" else 0
         cfg = policy_config(w, "adaptive", swap, int(b * w.state_bytes), max_in_cpu=n or 0, replan_every=args.replan_every)
         run = train(w, cfg, warmup=total, steps=0, need_controller=True, drift_at=args.drift_at)
         if run.status == "unavailable":
             print("\ndrift: adaptive: not available in this checkout")
-            return
+            return verdicts
         if run.status != "ok":
             print(f"\ndrift at {b:.0%}: {run.status} ({run.note})")
+            verdicts.append(f"drift at {b:.0%}: {run.status}")
             continue
+        reference = train(w_new, cfg, warmup=total, steps=0, need_controller=True)
         times = [dt for _, dt, _ in run.per_step]
         before = times[max(0, args.drift_at - args.steps): args.drift_at]
         after = times[-args.steps:]
@@ -543,10 +577,40 @@ def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[f
         print(f"\ndrift at {b:.0%}: {run.note}; median step before {statistics.median(before):.3f} s, "
               f"last {len(after)} steps {statistics.median(after):.3f} s"
               + (f"; best static without drift: {best[0]} {best[1]:.3f} s" if best else ""))
+        periods, when = first_plan_after(run, args.drift_at, args.replan_every)
+        print("  " + when)
+        ratio = None
+        if reference.status == "ok":
+            settled = statistics.median([dt for _, dt, _ in reference.per_step][-args.steps:])
+            ratio = statistics.median(after) / settled
+            print(f"  reference: adaptive on the new routing (seed {seed}) from step 0, last {args.steps} steps "
+                  f"{settled:.3f} s; the drifted run's last {args.steps} / that = {ratio:.2f}")
+        planned = periods is not None and periods <= DRIFT_PLAN_PERIODS
+        recovered = ratio is not None and ratio <= 1 + DRIFT_RECOVERED
+        verdicts.append(f"drift at {b:.0%}: "
+                        + ("no plan after the change" if periods is None else f"first plan after {periods:.1f} periods")
+                        + f" (target <= {DRIFT_PLAN_PERIODS}: {'meets' if planned else 'MISSES'}); last {args.steps} steps "
+                        + ("-" if ratio is None else f"{ratio:.2f}x")
+                        + f" the reference's (target <= {1 + DRIFT_RECOVERED:.2f}x: {'meets' if recovered else 'MISSES'})")
         print("  step  step_s  plan_version")
         for s, dt, version in run.per_step:
             if s >= args.drift_at - 2:
                 print(f"  {s:4d}  {dt:6.3f}  {version}{'   <- routing changed before this step' if s == args.drift_at else ''}")
+    return verdicts
+
+
+def first_plan_after(run: Run, drift_at: int, replan_every: int) -> tuple[float | None, str]:
+    """When the first plan after the routing change was adopted: the first step at or after
+    ``drift_at`` that ran under a new plan version (its moves start in that step's hook; the
+    engine spreads them over the next steps within its per-step byte budget)."""
+    versions = {s: v for s, _, v in run.per_step}
+    v0 = versions.get(drift_at - 1)
+    adopted = next((s for s, _, v in run.per_step if s >= drift_at and v != v0), None)
+    if adopted is None:
+        return None, "no plan adopted after the routing change"
+    steps = adopted - drift_at + 1
+    return steps / replan_every, (f"first plan after the change adopted by step {adopted}: {steps} steps = "
+                                  f"{steps / replan_every:.1f} re-plan periods after the change")
 
 
 def load_average() -> str:
@@ -610,11 +674,14 @@ def main() -> None:
     names = ["moe", "gpt"] if args.workload == "both" else [args.workload]
 
     fs = filesystem_of(args.path if args.path.exists() else args.path.parent)
-    print(f"{time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({os.cpu_count()} cores), {fs.fstype} at {args.path}; "
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({os.cpu_count()} cores), zinf.device {DEVICE}"
+          + (f" ({torch.cuda.get_device_name()})" if DEVICE != "cpu" and torch.cuda.is_available() else "")
+          + f", {fs.fstype} at {args.path}; "
           f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} measured steps) per (budget, policy); "
           f"load average {load_average()} (other work on the machine skews every number)")
     swap = args.path / f"planner-policies-{os.getpid()}"
     results: dict[str, dict[float, dict[str, Cell]]] = {}
+    drift_verdicts: list[str] = []
     try:
         swap.mkdir(parents=True)
         for name in names:
@@ -625,7 +692,7 @@ def main() -> None:
             results[name] = sweep(w, budgets, policies, swap, args)
             print_table(w, results[name])
             if name == "moe" and args.drift_at is not None and "adaptive" in policies:
-                drift_run(w, budgets, swap, args, results[name])
+                drift_verdicts = drift_run(w, budgets, swap, args, results[name])
     finally:
         shutil.rmtree(swap, ignore_errors=True)
 
@@ -633,6 +700,8 @@ def main() -> None:
     print("\nheadline (speed = best static step time / adaptive step time; > 1 = adaptive faster)")
     print(headline("skewed MoE", results.get("moe"), MOE_HEADLINE_BUDGET, MOE_TARGET_SPEEDUP))
     print(headline("dense GPT", results.get("gpt"), None, GPT_TARGET_SPEEDUP))
+    for line in drift_verdicts:
+        print(line)
     if args.json:
         out = {name: {str(b): {p: {"status": c.status, "step_s": c.step_s, "nvme_bytes_per_step": c.nvme_bytes,
                                     "max_in_cpu": c.max_in_cpu, "runs_step_s": [r.step_s for r in c.runs]}

@@ -11,6 +11,7 @@
 #   scripts/h200.sh big        # the 554 M GPT (d=1280): zinf:0/0.11/0.5 beside DeepSpeed all-NVMe and max_in_cpu
 #   scripts/h200.sh demo       # the main job (zinf demo: profiled, re-planned, migrated) on CUDA
 #   scripts/h200.sh planner gpt|moe [ROUNDS]  # issue 5's placement policies on the CPU (16 cores, a quiet machine)
+#   scripts/h200.sh planner-gpu gpt|moe [ROUNDS] [SECONDS]  # the same with the H200 computing (zinf.device cuda)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -68,6 +69,12 @@ case "${1:-}" in
     timeout 560 python3 benchmarks/planner_policies.py --path /tmp/pp --workload "$wl" --budgets 0.2,0.3,0.5 \
       --rounds "${3:-2}" --warmup 24 --steps 32 --replan-every 8 --log-plans $extra > "$OUT/planner_$wl.txt" 2>&1
     grep -A14 "results (state" "$OUT/planner_$wl.txt" | grep "%" | cut -c1-110; tail -n 4 "$OUT/planner_$wl.txt" ;;
+  planner-gpu)
+    install
+    wl=${2:-moe}; extra=""; [ "$wl" = moe ] && extra="--drift-at 24"
+    OMP_NUM_THREADS=8 timeout "${4:-560}" python3 benchmarks/planner_policies.py --path /tmp/ppg --device cuda --workload "$wl" \
+      --budgets 0.2,0.3,0.5 --rounds "${3:-3}" --warmup 24 --steps 32 --replan-every 8 --log-plans $extra > "$OUT/planner_gpu_$wl.txt" 2>&1
+    grep -A14 "results (state" "$OUT/planner_gpu_$wl.txt" | grep "%" | cut -c1-110; tail -n 4 "$OUT/planner_gpu_$wl.txt" ;;
   *)
-    sed -n 2,14p "$0"; exit 2 ;;
+    sed -n 2,15p "$0"; exit 2 ;;
 esac
