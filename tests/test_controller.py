@@ -157,12 +157,17 @@ def test_the_demo_plans_from_its_profile(tmp_path):
 
     # 16 steps: a first plan adopted at step 4 lands, is measured for verify_steps (5) steps and
     # may be reverted before the next plan is due, which then comes by step 12-13
-    summary = run_demo(DemoSettings(steps=16, batch_size=2, preset="demo", workdir=tmp_path, replan_every=4),
-                       Console(file=open(tmp_path / "out.txt", "w")))
+    with open(tmp_path / "out.txt", "w") as out:
+        summary = run_demo(DemoSettings(steps=16, batch_size=2, preset="demo", workdir=tmp_path, replan_every=4),
+                           Console(file=out, width=200))
     assert summary["plans_made"] >= 2  # steps 4 and 8 at least, or 4 and 12-13 when the first lands
     plans = queries.plans(summary["profile_db"], queries.latest_run_id(summary["profile_db"]))
     assert len(plans) == summary["plans_made"]
     assert (summary["migrations"] > 0) == (summary["plans_adopted"] > 0)  # an adopted plan moves homes
+    # the summary says why the placement is what it is: the newest solved plan's decision
+    assert summary["last_plan"].startswith(("adopted: ", "kept the placement: "))
+    assert len(summary["last_plan"]) > len("kept the placement: ")
+    assert "last plan solved" in (tmp_path / "out.txt").read_text()
 
 
 class _WrongModel:
