@@ -377,18 +377,24 @@ class Cell:
         e = [x for r in self.runs for x in r.pred_err]
         return statistics.median(e) if e else None
 
+    def _steps_by_prediction(self) -> list[tuple[float, list[float]]]:
+        """(prediction, the measured steps it was in force for), per prediction per run."""
+        groups: list[tuple[float, list[float]]] = []
+        for r in self.runs:
+            by_pred: dict[float, list[float]] = {}
+            for pred, t in r.pred_pairs:
+                by_pred.setdefault(pred, []).append(t)
+            groups += by_pred.items()
+        return groups
+
     @property
     def pred_err_of_median(self) -> float | None:
         """|prediction - median of the steps it was in force for| / that median, per prediction
         (per run), the median over the steps (each prediction weighted by its steps)."""
         errs: list[float] = []
-        for r in self.runs:
-            by_pred: dict[float, list[float]] = {}
-            for pred, t in r.pred_pairs:
-                by_pred.setdefault(pred, []).append(t)
-            for pred, ts in by_pred.items():
-                med = statistics.median(ts)
-                errs += [abs(pred - med) / med] * len(ts)
+        for pred, ts in self._steps_by_prediction():
+            med = statistics.median(ts)
+            errs += [abs(pred - med) / med] * len(ts)
         return statistics.median(errs) if errs else None
 
     @property
@@ -398,13 +404,9 @@ class Cell:
         predictor that knew every placement's median step exactly. A step-time model predicts the
         typical step; no single number per placement gets below the steps' own spread."""
         errs: list[float] = []
-        for r in self.runs:
-            by_pred: dict[float, list[float]] = {}
-            for pred, t in r.pred_pairs:
-                by_pred.setdefault(pred, []).append(t)
-            for ts in by_pred.values():
-                med = statistics.median(ts)
-                errs += [abs(med - t) / t for t in ts]
+        for _, ts in self._steps_by_prediction():
+            med = statistics.median(ts)
+            errs += [abs(med - t) / t for t in ts]
         return statistics.median(errs) if errs else None
 
     def churn(self, budget_bytes: int) -> tuple[int, float] | None:

@@ -209,6 +209,17 @@ class _Check:
     reaction: bool = False  # made in reaction to a shift of the accesses, from the short EWMA's few steps
 
 
+@dataclass(frozen=True)
+class _Solved:
+    """The last plan solved, what a scheduled re-plan compares with before solving again (:meth:`AdaptiveController._unchanged`)."""
+
+    rates: "pd.Series"  # accesses per step per shard (long EWMA) it was made from
+    measured_s: float  # the measured step it was made from
+    placement: dict  # the placement in force then, {home: tier}
+    adopted: bool  # whether it was adopted (then the placement has changed since)
+    step: int | None = None  # the step it was made after (None: the step under way)
+
+
 def _assignments(placement: dict, target: dict, density: dict | None = None) -> list[dict]:
     """The ``plan_assignments`` rows of a plan: every shard of the engine's ``placement`` with the
     tiers ``target`` ({home: tier}) gives it (its current ones where ``target`` is silent) and its
@@ -337,9 +348,7 @@ class AdaptiveController:
         self.migration_s_per_byte: float | None = None
         self._seen_report = None
         self.plans_skipped = 0  # scheduled re-plans not solved: nothing had changed
-        # the last plan solved: (accesses per step, measured step s, placement in force, adopted)
-        self._last_solved: tuple | None = None
-        self._last_solved_step: int | None = None  # the step that plan was made after
+        self._last_solved: _Solved | None = None
         self._skipped_in_row = 0
         self.detail_every = 1  # the recorder's shard-detail sampling period this controller set
         self._caps: "pd.Series | None" = None  # each shard's most accesses in one step (newest profile read)
@@ -751,8 +760,7 @@ class AdaptiveController:
                 self._failed = None
         self.plans_made += 1
         self.last_plan, self.last_decision = plan, decision
-        self._last_solved = (rates, float(workload.measured_step_s), dict(current), decision.adopt)
-        self._last_solved_step = step
+        self._last_solved = _Solved(rates, float(workload.measured_step_s), dict(current), decision.adopt, step)
         # the plan's step: the current one less the (scaled) gain; the model's own, unscaled
         model_gain_s = current_step_s - sim.predict(decision.placement).step_s if decision.moves else 0.0
         predicted_s = current_step_s - decision.gain_s_per_step
@@ -848,18 +856,18 @@ class AdaptiveController:
         s = self.settings
         if s.unchanged_rate_change <= 0 or self._last_solved is None or self._skipped_in_row + 1 >= s.resolve_every_plans:
             return False
-        rates, measured_s, placement, adopted = self._last_solved
-        if adopted or placement != homes_of(engine.placement):
+        last = self._last_solved
+        if last.adopted or last.placement != homes_of(engine.placement):
             return False
-        if abs(float(workload.measured_step_s) - measured_s) > self.policy.settings.min_gain_fraction * measured_s:
+        if abs(float(workload.measured_step_s) - last.measured_s) > self.policy.settings.min_gain_fraction * last.measured_s:
             return False
         now = _rates(workload)
-        if _rate_change(now, rates) < s.unchanged_rate_change:
+        if _rate_change(now, last.rates) < s.unchanged_rate_change:
             return True
         # moved, but within their noise (a few tokens a step): solving again would chase it - the
         # MoE's re-plans were all solved (~1.3 s each on 2 cores) and one in the steady state
         # moved a third of the budget for a gain at the edge of the model's error
-        return s.change_z is not None and not self._accesses_changed(now, rates, self._last_solved_step)
+        return s.change_z is not None and not self._accesses_changed(now, last.rates, last.step)
 
     def _failed_by(self, check: "_Check", measured_s: float) -> str | None:
         """Why a landed plan is to be reverted, or None: measured slower than the placement it

@@ -10,7 +10,7 @@
 #   scripts/h200.sh heavy      # benchmark (c): batch 32, zinf:1 against everything on the GPU
 #   scripts/h200.sh big        # the 554 M GPT (d=1280): zinf:0/0.11/0.5 beside DeepSpeed all-NVMe and max_in_cpu
 #   scripts/h200.sh demo       # the main job (zinf demo: profiled, re-planned, migrated) on CUDA
-#   scripts/h200.sh planner gpt|moe [ROUNDS]  # issue 5's placement policies on the CPU (16 cores, a quiet machine)
+#   scripts/h200.sh planner gpt|moe [ROUNDS] [SECONDS]      # issue 5's placement policies on the CPU (16 cores, a quiet machine)
 #   scripts/h200.sh planner-gpu gpt|moe [ROUNDS] [SECONDS]  # the same with the H200 computing (zinf.device cuda)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -63,18 +63,14 @@ case "${1:-}" in
     install
     mkdir -p /tmp/demo && (cd /tmp/demo && timeout 300 python3 -c "from zinf.cli import main; main()" demo --workdir /tmp/demo) > "$OUT/demo_cuda.txt" 2>&1
     tail -n 20 "$OUT/demo_cuda.txt" ;;
-  planner)
+  planner|planner-gpu)  # the CPU computes (16 cores, a quiet machine), or the H200 (8 OpenMP threads leave cores to zinf's)
     install
     wl=${2:-gpt}; extra=""; [ "$wl" = moe ] && extra="--drift-at 24"
-    timeout 560 python3 benchmarks/planner_policies.py --path /tmp/pp --workload "$wl" --budgets 0.2,0.3,0.5 \
-      --rounds "${3:-2}" --warmup 24 --steps 32 --replan-every 8 --log-plans $extra > "$OUT/planner_$wl.txt" 2>&1
-    grep -A14 "results (state" "$OUT/planner_$wl.txt" | grep "%" | cut -c1-110; tail -n 4 "$OUT/planner_$wl.txt" ;;
-  planner-gpu)
-    install
-    wl=${2:-moe}; extra=""; [ "$wl" = moe ] && extra="--drift-at 24"
-    OMP_NUM_THREADS=8 timeout "${4:-560}" python3 benchmarks/planner_policies.py --path /tmp/ppg --device cuda --workload "$wl" \
-      --budgets 0.2,0.3,0.5 --rounds "${3:-3}" --warmup 24 --steps 32 --replan-every 8 --log-plans $extra > "$OUT/planner_gpu_$wl.txt" 2>&1
-    grep -A14 "results (state" "$OUT/planner_gpu_$wl.txt" | grep "%" | cut -c1-110; tail -n 4 "$OUT/planner_gpu_$wl.txt" ;;
+    device=cpu; threads=""; [ "$1" = planner-gpu ] && device=cuda && threads="OMP_NUM_THREADS=8"
+    log="$OUT/planner_${device}_$wl.txt"
+    env $threads timeout "${4:-560}" python3 benchmarks/planner_policies.py --path /tmp/pp --device "$device" --workload "$wl" \
+      --budgets 0.2,0.3,0.5 --rounds "${3:-2}" --warmup 24 --steps 32 --replan-every 8 --log-plans $extra > "$log" 2>&1
+    grep -A14 "results (state" "$log" | grep "%" | cut -c1-110; tail -n 4 "$log" ;;
   *)
     sed -n 2,15p "$0"; exit 2 ;;
 esac

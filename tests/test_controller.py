@@ -293,7 +293,7 @@ def test_a_scheduled_replan_with_nothing_changed_is_not_solved_again():
     adopted plan."""
     from types import SimpleNamespace
 
-    from planner.controller import AdaptiveController, ControllerSettings
+    from planner.controller import AdaptiveController, ControllerSettings, _Solved
 
     c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(resolve_every_plans=3))
     engine = SimpleNamespace(placement={"a": {"param": "cpu", "optim": "nvme"}, "b": {"param": "nvme", "optim": "nvme"}})
@@ -302,26 +302,27 @@ def test_a_scheduled_replan_with_nothing_changed_is_not_solved_again():
 
     base = pd.Series({"a": 4.0, "b": 4.0})
     assert not c._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.0))  # nothing solved yet
-    c._last_solved = (base, 1.0, homes, False)
+    c._last_solved = _Solved(base, 1.0, homes, False)
     assert c._unchanged(engine, _wl({"a": 4.1, "b": 4.0}, 1.02))  # 1.25% of the accesses, 2% of the step
     # 6% of the accesses moved: beyond the 5% floor, within their noise (a few tokens a step) or
     # not, by the test the rest of the controller uses (25% L1 and 3 sd; the EWMAs of 9 steps)
-    c._step_now = c._last_solved_step = 10
+    c._step_now = 10
+    c._last_solved = _Solved(base, 1.0, homes, False, step=10)
     assert c._unchanged(engine, _wl({"a": 4.5, "b": 4.0}, 1.0))
     assert not c._unchanged(engine, _wl({"a": 8.0, "b": 0.5}, 1.0))  # a new hot set: solved
     plain = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(change_z=None))  # no noise model
-    plain._last_solved = (base, 1.0, homes, False)
+    plain._last_solved = _Solved(base, 1.0, homes, False)
     assert not plain._unchanged(engine, _wl({"a": 4.5, "b": 4.0}, 1.0))
     assert not c._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.1))  # the step is 10% slower
     c._skipped_in_row = 2  # a third skip in a row: solve (the cost model is refitted)
     assert not c._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.0))
     c._skipped_in_row = 0
-    c._last_solved = (base, 1.0, homes, True)  # that plan was adopted: the placement is new
+    c._last_solved = _Solved(base, 1.0, homes, True)  # that plan was adopted: the placement is new
     assert not c._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.0))
-    c._last_solved = (base, 1.0, homes | {("b", "param"): "cpu"}, False)  # placement changed since
+    c._last_solved = _Solved(base, 1.0, homes | {("b", "param"): "cpu"}, False)  # placement changed since
     assert not c._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.0))
     off = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(unchanged_rate_change=0))
-    off._last_solved = (base, 1.0, homes, False)
+    off._last_solved = _Solved(base, 1.0, homes, False)
     assert not off._unchanged(engine, _wl({"a": 4.0, "b": 4.0}, 1.0))
 
 
