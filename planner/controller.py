@@ -33,7 +33,8 @@ optimizer step the engine asks it for moves:
    (:meth:`AdaptiveController._judge_again`). "The accesses changed" (for the realised gains, the
    model's error and retrying a reverted plan) must be beyond the counts' noise
    (:meth:`AdaptiveController._accesses_changed`); when they have, across all shards, since the
-   long run's (a routing change), a drift plan may send any home where it now belongs (no
+   long run's (a routing change, tested at every plan after the first, scheduled or drift), the plan is a
+   reaction: made from the newest steps' accesses, it may send any home where it now belongs (no
    ping-pong hold, :meth:`AdaptiveController.accesses_shifted`). A placement is measured on its
    training steps: what the controller itself and the migrations took in a step is not counted.
    While a dense model's accesses are the same
@@ -61,6 +62,7 @@ from zinf.errors import ZinfError
 from zinf.placement import Move
 
 from planner.costmodel import CostModel
+from planner.hotness import ewma_difference_steps, ewma_effective_steps
 from planner.policy import Decision, PlacementPolicy, PolicySettings, diff_moves
 from planner.simulator import Simulator, calibrate
 from planner.solver import Plan, PlanError, homes_of, solve
@@ -91,7 +93,7 @@ class ControllerSettings:
 
     rate_halflife_periods: float = 2.0
     """Halflife of the long EWMA of the access rates, in re-plan periods (the short one is a
-    quarter period, used when the step drifts)."""
+    quarter period, planned from when the accesses have shifted: :meth:`AdaptiveController.accesses_shifted`)."""
 
     drift_fraction: float = 0.25
     """Re-plan early when the measured median step differs from the prediction by this fraction."""
@@ -243,15 +245,6 @@ def _rates(workload: Workload, which: str = "long") -> "pd.Series":
     return (df["fwd_accesses_per_step"] + df["bwd_accesses_per_step"] + df["opt_accesses_per_step"]).set_axis(df["shard"])
 
 
-def _ewma_steps(halflife_steps: float, steps: int | None = None) -> float:
-    """Effective number of steps of an EWMA with this halflife (variance of the mean of iid steps
-    = variance of one / this): (2 - a) / a, a = 1 - 2^(-1/halflife); at most ``steps`` when the
-    series is that short."""
-    a = 1.0 - 2.0 ** (-1.0 / max(float(halflife_steps), 1e-9))
-    n = (2.0 - a) / a
-    return max(1.0, min(n, float(steps))) if steps is not None else n
-
-
 def _rate_variance(rates: "pd.Series", effective_steps: float, dispersion: float,
                    caps: "pd.Series | None" = None) -> "pd.Series":
     """Variance of each shard's smoothed accesses per step ``rates``, an average over
@@ -294,9 +287,13 @@ def _change_z(now: "pd.Series", then: "pd.Series", effective_steps: float, dispe
     return (stat - n) / math.sqrt(2.0 * n)
 
 
-def _rate_change(now: "pd.Series", then: "pd.Series") -> float:
-    """Relative L1 change of the accesses per step: sum |now - then| / sum then."""
+def _rate_change(now: "pd.Series", then: "pd.Series", varying_only: bool = False) -> float:
+    """Relative L1 change of the accesses per step: sum |now - then| / sum then; ``varying_only``:
+    over the shards whose values differ (0 when none does)."""
     now, then = now.align(then, fill_value=0.0)
+    if varying_only:
+        vary = now != then
+        now, then = now[vary], then[vary]
     total = float(then.abs().sum())
     return float((now - then).abs().sum()) / total if total > 0 else float(now.abs().sum() > 0)
 
@@ -407,20 +404,29 @@ class AdaptiveController:
 
     def accesses_shifted(self, short: "pd.Series", long: "pd.Series") -> bool:
         """Whether the newest steps' accesses per step (``short``: the short EWMA) have moved away
-        from the long run's (``long``) by more than ``retry_rate_change`` (L1) and beyond their
-        noise (:meth:`_beyond_noise`, each EWMA's own effective steps now): a routing change, seen
+        from the long run's (``long``) by more than ``retry_rate_change`` (L1 over the shards
+        whose accesses vary: a dense shard's, the same in both, would dilute a routing change)
+        and beyond the noise of their difference (:meth:`_beyond_noise`): a routing change, seen
         across all shards together a few steps after it, when no single home's accesses can yet
-        tell it from noise. Needs ``change_z``."""
-        return self.settings.change_z is not None and self._beyond_noise(
-            short, long, self._rate_steps(self._step_now, "short"), self._rate_steps(self._step_now))
-
-    def _beyond_noise(self, a: "pd.Series", b: "pd.Series", a_steps: float, b_steps: float) -> bool:
-        """Whether two accesses-per-step vectors, EWMAs over ``a_steps`` and ``b_steps`` effective
-        steps, differ by at least ``retry_rate_change`` (L1) and by more than ``change_z``
-        standard deviations of their noise (:func:`_change_z`, capped as the last profile read
-        says)."""
+        tell it from noise. Tested at every plan but the first. Needs ``change_z``."""
+        if self.settings.change_z is None:
+            return False
+        # Both EWMAs read the same steps: their difference varies as the weights' difference says
+        # (_change_z adds two variances, each over twice its effective steps): 0.6-0.8 of the
+        # two EWMAs' own variances added, which count the newest steps' noise twice.
         s = self.settings
-        if _rate_change(a, b) < s.retry_rate_change:
+        n = 2.0 * ewma_difference_steps(self._short_halflife, s.rate_halflife_periods * s.replan_every,
+                                        self._rate_series_steps(self._step_now))
+        return self._beyond_noise(short, long, n, n, varying_only=True)
+
+    def _beyond_noise(self, a: "pd.Series", b: "pd.Series", a_steps: float, b_steps: float,
+                      varying_only: bool = False) -> bool:
+        """Whether two accesses-per-step vectors, EWMAs over ``a_steps`` and ``b_steps`` effective
+        steps, differ by at least ``retry_rate_change`` (L1; ``varying_only``: over the shards
+        whose values differ) and by more than ``change_z`` standard deviations of their noise
+        (:func:`_change_z`, capped as the last profile read says)."""
+        s = self.settings
+        if _rate_change(a, b, varying_only=varying_only) < s.retry_rate_change:
             return False
         return _change_z(a, b, a_steps, s.rate_dispersion, b_steps, caps=self._caps) > s.change_z
 
@@ -438,7 +444,12 @@ class AdaptiveController:
         ``step`` reads."""
         s = self.settings
         halflife = s.rate_halflife_periods * s.replan_every if which == "long" else self._short_halflife
-        return _ewma_steps(halflife, max(1, min(int(step) - 1, self._rate_window(step))))
+        return ewma_effective_steps(halflife, self._rate_series_steps(step))
+
+    def _rate_series_steps(self, step: int) -> int:
+        """Steps of accesses the EWMAs of a plan after ``step`` average: the rate window, fewer
+        early in the run."""
+        return max(1, min(int(step) - 1, self._rate_window(step)))
 
     @property
     def _short_halflife(self) -> float:
@@ -662,11 +673,14 @@ class AdaptiveController:
         # the steps recorded since the placement changed (up to the previous one: this step's row
         # is written after this hook), less the first (it records the module trace again)
         since = step - 1 - self._settled_step
-        # Plans smooth the accesses over the long EWMA; a drift whose accesses have shifted (a
+        # Plans smooth the accesses over the long EWMA; a plan whose accesses have shifted (a
         # routing change: the short EWMA moved from the long one beyond their noise across all
-        # shards) is a reaction, planned from the short EWMA. A drift of the step alone (its
-        # noise, the model's error) is planned and gated like a scheduled plan: at 50% such
-        # drift plans, made from a noisy short EWMA and held to one noise, measured slower.
+        # shards) is a reaction, planned from the short EWMA - whether the step drifted or not (a
+        # routing change that moves the step by less than drift_fraction, or whose drift came
+        # before the shift was clear, waited on the long EWMA for periods, the ping-pong hold
+        # keeping the old hot set in DRAM). A drift of the step alone (its noise, the model's
+        # error) is planned and gated like a scheduled plan: at 50% such drift plans, made from a
+        # noisy short EWMA and held to one noise, measured slower.
         # The long EWMA's halflife is rate_halflife_periods re-plan periods (long enough to
         # average out the token noise of small batches; a plan pays back over a few periods), the
         # short one a quarter period.
@@ -684,13 +698,15 @@ class AdaptiveController:
             self._caps = workload.shards["accesses_max"].astype(float).set_axis(workload.shards["shard"])
         # both EWMAs of every shard's accesses, whichever filled the workload's phase columns
         short_rates, rates = _rates(workload, "short"), _rates(workload, "long")
-        shifted = drifted and self.accesses_shifted(short_rates, rates)
+        # the first plan has no earlier accesses to have shifted from (its long EWMA is mostly
+        # the window's first step: z 3.2 against the short one on the MoE benchmark, no change)
+        shifted = self.plans_made > 0 and self.accesses_shifted(short_rates, rates)
         if shifted:
             # the same profile again, its phase columns from the short EWMA (rare: a routing change)
             workload = profile("short")
             self._rates_from_step = max(self._rates_from_step, step - s.drift_steps)  # the next plans' window
         constant = _rate_change(short_rates, rates) < s.constant_rate_change
-        if not drifted and self._unchanged(engine, workload):
+        if not drifted and not shifted and self._unchanged(engine, workload):
             self._record_unchanged(engine, step, workload)
             self._sample_detail(constant)
             return None
@@ -808,14 +824,16 @@ class AdaptiveController:
             return workload
         if self._fetch_overhead is not None:
             seconds, then = self._fetch_overhead
-            return workload.with_fetch_overhead(seconds, f"measured at the plan of step {then} (no NVMe param fetch since)")
+            return workload.with_fetch_overhead(seconds, f"measured at the plan of step {then} (no NVMe param fetch since)",
+                                                measured=True)
         params = workload.shards.loc[workload.shards["param_bytes"] > 0, "param_bytes"]
         if params.empty:
             return workload
         nbytes = int(params.median())
         seconds = float(cost.predict_s("nvme", "read", nbytes))
         return workload.with_fetch_overhead(seconds, f"no NVMe param fetch measured yet: one whole read of the median "
-                                                     f"param shard ({nbytes} B, {seconds * 1e3:.2f} ms) assumed")
+                                                     f"param shard ({nbytes} B, {seconds * 1e3:.2f} ms) assumed",
+                                            measured=False)
 
     def _sample_detail(self, sparse: bool) -> None:
         """Have the recorder record the shard detail of every step, or - ``sparse``: the accesses

@@ -10,7 +10,10 @@ two exponentially weighted moving averages over the steps in order::
     s_1 = x_1,   s_t = s_{t-1} + alpha * (x_t - s_{t-1}),   alpha = 1 - 2 ** (-1 / halflife_steps)
 
 a short one (reacts within a few steps: routing drift) and a long one (what the shard does on
-average). A shard is ``unstable`` when they disagree: ``|short - long| > threshold * max(short,
+average). The recursion starts at the first step, which therefore weighs as much as all the steps
+before it would have; :func:`ewma_weights` gives each step's weight and
+:func:`ewma_effective_steps` / :func:`ewma_difference_steps` the steps that much noise averages
+(for the planner's noise tests). A shard is ``unstable`` when they disagree: ``|short - long| > threshold * max(short,
 long)`` for its total accesses, and the larger is at least ``min_accesses`` (so that 0.01 vs 0.02
 does not count). The planner should not trust the placement of an unstable shard much (the policy
 can keep it where it is).
@@ -52,16 +55,33 @@ import pandas as pd
 
 from planner.workload import Workload
 
-__all__ = ["access_rates", "ewma", "stall_cost", "io_costs", "PHASES", "IoCosts"]
+__all__ = ["access_rates", "ewma", "ewma_weights", "ewma_effective_steps", "ewma_difference_steps", "stall_cost", "io_costs", "PHASES", "IoCosts"]
 
 PHASES = {"fwd": "forward_accesses", "bwd": "backward_accesses", "rec": "recompute_accesses", "opt": "optimizer_accesses"}
 """Short phase names used in column names -> the ``shard_steps`` columns they come from."""
 
 
 # ------------------------------------------------------------------------------ access rates
+def ewma_weights(halflife_steps: float, steps: int) -> np.ndarray:
+    """The weights (oldest step first, summing to 1) that :func:`ewma` gives the steps of a
+    series ``steps`` long: ``alpha (1 - alpha) ** age`` for each step after the first, and the
+    rest, ``(1 - alpha) ** (steps - 1)``, for the first (the recursion starts at it). The first
+    step of a short series therefore weighs as much as all the steps before it would have: 30% of
+    a 15-step series at an 8-step halflife, 65% of an 11-step one at 16. The noise model must
+    count that (:func:`ewma_effective_steps`). Normalising the weights instead (every step by its
+    age alone) was measured: the MoE benchmark's first plans then came out 15% slower at 30%
+    (benchmarks/RESULTS.md, eighth run), so the rates stay as they are."""
+    alpha = 1.0 - 2.0 ** (-1.0 / float(halflife_steps))
+    n = max(1, int(steps))
+    w = alpha * (1.0 - alpha) ** np.arange(n - 1, -1, -1, dtype=np.float64)
+    w[0] = (1.0 - alpha) ** (n - 1)
+    return w
+
+
 def ewma(x: np.ndarray, halflife_steps: float) -> np.ndarray:
     """The EWMA of ``x`` (steps along axis 0) after its last step: ``s_1 = x_1``, ``s_t = s_{t-1}
-    + alpha (x_t - s_{t-1})`` with ``alpha = 1 - 2 ** (-1 / halflife_steps)``."""
+    + alpha (x_t - s_{t-1})`` with ``alpha = 1 - 2 ** (-1 / halflife_steps)`` (the weights of
+    :func:`ewma_weights`)."""
     x = np.asarray(x, dtype=np.float64)
     if x.shape[0] == 0:
         return np.zeros(x.shape[1:])
@@ -70,6 +90,31 @@ def ewma(x: np.ndarray, halflife_steps: float) -> np.ndarray:
     for t in range(1, x.shape[0]):
         s += alpha * (x[t] - s)
     return s
+
+
+def ewma_effective_steps(halflife_steps: float, steps: int | None = None) -> float:
+    """How many independent steps an EWMA with this halflife averages (the variance of one step
+    over this is the EWMA's): ``1 / sum(w ** 2)`` over :func:`ewma_weights` of a series ``steps``
+    long - 2.3 for 11 steps at a 16-step halflife, whose first step weighs 65% (``min(steps,
+    (2 - alpha) / alpha)`` said 11, and the noise model saw routing changes in noise); without
+    ``steps``, of an endless one: ``(2 - alpha) / alpha``."""
+    if steps is None:
+        alpha = 1.0 - 2.0 ** (-1.0 / max(float(halflife_steps), 1e-9))
+        return (2.0 - alpha) / alpha
+    w = ewma_weights(max(float(halflife_steps), 1e-9), max(1, int(steps)))
+    return float(1.0 / np.sum(w ** 2))
+
+
+def ewma_difference_steps(halflife_a: float, halflife_b: float, steps: int) -> float:
+    """The effective steps of the difference of two EWMAs (halflives ``halflife_a`` and
+    ``halflife_b``) of the same series ``steps`` long: ``1 / sum((w_a - w_b) ** 2)`` (the
+    variance of one step over this is the difference's). The two share the newest steps, so their
+    difference varies less than the two variances added: 0.6-0.8 of it for a quarter-period
+    and a two-period EWMA; inf when both weigh the steps alike."""
+    n = max(1, int(steps))
+    d = ewma_weights(max(float(halflife_a), 1e-9), n) - ewma_weights(max(float(halflife_b), 1e-9), n)
+    ss = float(np.sum(d ** 2))
+    return 1.0 / ss if ss > 0 else math.inf
 
 
 def access_rates(shard_steps: pd.DataFrame, shards: Sequence[str] | pd.DataFrame, steps: Iterable[int] | None = None, *,

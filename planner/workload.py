@@ -100,10 +100,6 @@ DRAM_TIERS_CUDA = ("cpu",)
 _DEVICE_TO_TIER = {"none": "gpu", "gpu": "gpu", "cpu": "cpu", "nvme": "nvme"}
 
 
-# how _fetch_overhead's "source" note begins when the profile measured no NVMe param fetch (0 then)
-NO_FETCH_MEASURED = "no NVMe param"
-
-
 class WorkloadError(ZinfError):
     """The profile cannot describe a workload (no steps, no shards, unknown placement keys)."""
 
@@ -124,6 +120,9 @@ class Workload:
     """Fixed seconds per shard update (Python, per-member loops)."""
     fetch_overhead_s: float = 0.0
     """Seconds of one NVMe param materialisation beyond its read (future, resize, copy)."""
+    fetch_overhead_measured: bool = True
+    """Whether :attr:`fetch_overhead_s` was measured (on this profile's NVMe param fetches, or
+    on an earlier read's: :meth:`with_fetch_overhead`), rather than 0 for want of any fetch."""
     copy_Bps: float = math.inf
     """Bytes/s of copying a DRAM param home to the compute device (inf on a CPU device: resident)."""
     micro_batches: int = 1
@@ -206,17 +205,12 @@ class Workload:
         """A copy with :attr:`overhead_s` set (what ``simulator.calibrate`` returns)."""
         return replace(self, shards=self.shards.copy(), overhead_s=float(overhead_s))
 
-    def with_fetch_overhead(self, fetch_overhead_s: float, how: str) -> "Workload":
-        """A copy with :attr:`fetch_overhead_s` set and ``source["fetch_overhead"]`` saying where
-        it came from (a planner that knows it from elsewhere than this profile read)."""
+    def with_fetch_overhead(self, fetch_overhead_s: float, how: str, *, measured: bool) -> "Workload":
+        """A copy with :attr:`fetch_overhead_s` set, whether it was ``measured`` (or assumed), and
+        ``source["fetch_overhead"]`` saying where it came from (a planner that knows it from
+        elsewhere than this profile read)."""
         return replace(self, shards=self.shards.copy(), fetch_overhead_s=float(fetch_overhead_s),
-                       source={**self.source, "fetch_overhead": how})
-
-    @property
-    def fetch_overhead_measured(self) -> bool:
-        """Whether :attr:`fetch_overhead_s` was measured on NVMe param fetches of the profile
-        (:func:`_fetch_overhead`), rather than 0 for want of any."""
-        return not str(self.source.get("fetch_overhead", "")).startswith(NO_FETCH_MEASURED)
+                       fetch_overhead_measured=bool(measured), source={**self.source, "fetch_overhead": how})
 
     def all_nvme_placement(self) -> dict[str, dict[str, str]]:
         """Every home the planner may move on NVMe, pinned homes where pinned."""
@@ -384,7 +378,7 @@ class Workload:
         update_s_per_elem, update_overhead_s, how = _update_cost(stats, cfg, measure_update_if_needed)
         source["update"] = how
         eager = bool(cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0)
-        fetch_overhead_s, how = _fetch_overhead(stats, df.set_index("shard"), micro, eager)
+        fetch_overhead_s, fetch_measured, how = _fetch_overhead(stats, df.set_index("shard"), micro, eager)
         source["fetch_overhead"] = how
         copy_Bps = math.inf
         if device == "cuda":
@@ -402,6 +396,7 @@ class Workload:
             update_s_per_elem=update_s_per_elem,
             update_overhead_s=update_overhead_s,
             fetch_overhead_s=fetch_overhead_s,
+            fetch_overhead_measured=fetch_measured,
             copy_Bps=copy_Bps,
             micro_batches=micro,
             prefetch_bytes=prefetch_bytes,
@@ -585,13 +580,14 @@ def _update_cost(stats: pd.DataFrame, cfg, measure: bool) -> tuple[float, float,
     return s, small, "measured here (zinf.optim on 256 Ki elements): no shard had both homes in DRAM"
 
 
-def _fetch_overhead(stats: pd.DataFrame, df: pd.DataFrame, micro: int, eager: bool) -> tuple[float, str]:
-    """Seconds of an NVMe param fetch beyond its read: the 25th percentile of stall per fetch over
-    one-parameter NVMe shards (a quarter of fetches find their prefetch landed; their stall is the
-    rest of the fetch: waiting on the future, resizing the storage, copying out of the buffer)."""
+def _fetch_overhead(stats: pd.DataFrame, df: pd.DataFrame, micro: int, eager: bool) -> tuple[float, bool, str]:
+    """Seconds of an NVMe param fetch beyond its read, whether any fetch measured it, and how:
+    the 25th percentile of stall per fetch over one-parameter NVMe shards (a quarter of fetches
+    find their prefetch landed; their stall is the rest of the fetch: waiting on the future,
+    resizing the storage, copying out of the buffer); (0, False) without any such fetch."""
     rows = stats[(stats["param_tier"] == "nvme")]
     if rows.empty:
-        return 0.0, f"{NO_FETCH_MEASURED} shard: 0"
+        return 0.0, False, "no NVMe param shard: 0"
     per = []
     for name, r in rows.iterrows():
         if df.loc[name, "chunk"] or r["param_bytes"] <= 0:
@@ -607,8 +603,8 @@ def _fetch_overhead(stats: pd.DataFrame, df: pd.DataFrame, micro: int, eager: bo
         if fetches >= 1:
             per.append(r["stall_s"] / fetches)
     if not per:
-        return 0.0, f"{NO_FETCH_MEASURED} fetch recorded: 0"
-    return float(np.quantile(per, 0.25)), f"25th percentile of stall per fetch over {len(per)} NVMe param shards"
+        return 0.0, False, "no NVMe param fetch recorded: 0"
+    return float(np.quantile(per, 0.25)), True, f"25th percentile of stall per fetch over {len(per)} NVMe param shards"
 
 
 def _copy_bandwidth(stats: pd.DataFrame) -> tuple[float, str]:

@@ -24,7 +24,7 @@ from zinf.models import build_model
 from conftest import gpt_batches
 from planner import (CostModel, Plan, PlanError, Simulator, Workload, access_rates, calibrate, home_dram_bytes,
                      simulate, solve, stall_cost)
-from planner.hotness import ewma
+from planner.hotness import ewma, ewma_difference_steps, ewma_effective_steps, ewma_weights
 from profiler import queries
 
 READ_LAT, READ_BPS = 2e-4, 1e9
@@ -80,6 +80,35 @@ def test_ewma_values_on_a_hand_built_frame():
     assert (r.loc["c", [c for c in r.columns if c.endswith(("_short", "_long"))]] == 0).all()
     assert r.loc["a", "accesses_short"] == pytest.approx(2.75 + 2.75 + 0.75)
     np.testing.assert_allclose(ewma(np.array([[1.0], [3.0]]), 1.0), [2.0])
+
+
+def test_an_ewmas_weights_and_effective_steps():
+    """The recursion started at the first value gives that step the weight of all the steps
+    before it; the effective steps (what the noise model divides by) count it: 2.3 for 11 steps
+    at a 16-step halflife, not 11."""
+    x = np.random.default_rng(1).normal(size=(11, 3))
+    np.testing.assert_allclose(ewma_weights(16.0, 11) @ x, ewma(x, 16.0))
+    assert ewma_weights(16.0, 11).sum() == pytest.approx(1.0)
+    assert ewma_weights(16.0, 11)[0] == pytest.approx((2 ** (-1 / 16)) ** 10)
+    assert 2.0 < ewma_effective_steps(16.0, 11) < 2.6
+    alpha = 1 - 2 ** (-1 / 16)
+    assert ewma_effective_steps(16.0) == pytest.approx((2 - alpha) / alpha)
+    assert ewma_effective_steps(16.0, 10_000) == pytest.approx((2 - alpha) / alpha, rel=1e-6)
+    assert ewma_effective_steps(2.0, 1) == 1.0
+
+
+def test_the_noise_of_two_ewmas_difference_is_what_their_weights_say():
+    """Two EWMAs of the same steps share the newest ones: on iid noise, their difference varies
+    by var / ewma_difference_steps, less than their two variances added."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(0.0, 1.0, size=(16, 40_000))  # 16 steps of 40k independent series, variance 1
+    diff = ewma(x, 2.0) - ewma(x, 16.0)
+    n = ewma_difference_steps(2.0, 16.0, 16)
+    assert diff.var() == pytest.approx(1.0 / n, rel=0.03)
+    added = 1.0 / ewma_effective_steps(2.0, 16) + 1.0 / ewma_effective_steps(16.0, 16)
+    assert 1.0 / n < 0.9 * added
+    assert ewma(x, 16.0).var() == pytest.approx(1.0 / ewma_effective_steps(16.0, 16), rel=0.03)
+    assert ewma_difference_steps(4.0, 4.0, 10) == float("inf")
 
 
 def test_unstable_when_short_and_long_disagree():
