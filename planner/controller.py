@@ -791,7 +791,8 @@ class AdaptiveController:
             dram_budget_bytes=self.dram_budget_bytes, predicted_step_s=predicted_s,
             predicted_gain_s=decision.gain_s_per_step, adopted=decision.adopt, reason=reason,
         )
-        log.info("zinf planner: step %d plan %d %s: %s", step, self.plans_made,
+        log.info("zinf planner: step %d plan %d%s %s: %s", step, self.plans_made,
+                 " (accesses shifted: a reaction)" if shifted else "",
                  "adopted" if decision.adopt else "kept the current placement", decision.reason)
         if not decision.adopt:
             self._predicted_step_s = current_step_s

@@ -125,6 +125,9 @@ def test_a_routing_change_gets_a_new_plan_within_two_periods(tmp_path):
     plans = queries.plans(url, run_id)
     adopted_after = plans[plans["adopted"] & (plans["created_step"] > drift_at)]
     assert len(adopted_after) >= 1 and adopted_after["created_step"].min() <= drift_at + 2 * REPLAN
+    # a scheduled plan saw the shift of the accesses (the step need not drift) and reacted to it
+    shifted = plans[plans["reason"].map(lambda r: bool(r.get("accesses_shifted")))]
+    assert len(shifted) >= 1 and shifted["created_step"].min() > drift_at, plans[["created_step", "reason"]]
     # the plans after the change follow the new routing: the experts wholly in DRAM (weight and
     # optimizer state) take a larger share of its expert calls than those in DRAM at the change
     shard_steps = queries.shard_steps(url, run_id)
