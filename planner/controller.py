@@ -414,9 +414,7 @@ class AdaptiveController:
         # Both EWMAs read the same steps: their difference varies as the weights' difference says
         # (_change_z adds two variances, each over twice its effective steps): 0.6-0.8 of the
         # two EWMAs' own variances added, which count the newest steps' noise twice.
-        s = self.settings
-        n = 2.0 * ewma_difference_steps(self._short_halflife, s.rate_halflife_periods * s.replan_every,
-                                        self._rate_series_steps(self._step_now))
+        n = 2.0 * ewma_difference_steps(self._short_halflife, self._long_halflife, self._rate_series_steps(self._step_now))
         return self._beyond_noise(short, long, n, n, varying_only=True)
 
     def _beyond_noise(self, a: "pd.Series", b: "pd.Series", a_steps: float, b_steps: float,
@@ -442,14 +440,18 @@ class AdaptiveController:
     def _rate_steps(self, step: int, which: str = "long") -> float:
         """Effective steps of the ``which`` ("long" or "short") EWMA of the accesses a plan after
         ``step`` reads."""
-        s = self.settings
-        halflife = s.rate_halflife_periods * s.replan_every if which == "long" else self._short_halflife
+        halflife = self._long_halflife if which == "long" else self._short_halflife
         return ewma_effective_steps(halflife, self._rate_series_steps(step))
 
     def _rate_series_steps(self, step: int) -> int:
         """Steps of accesses the EWMAs of a plan after ``step`` average: the rate window, fewer
         early in the run."""
         return max(1, min(int(step) - 1, self._rate_window(step)))
+
+    @property
+    def _long_halflife(self) -> float:
+        """Halflife of the long EWMA of the accesses (steps): ``rate_halflife_periods`` re-plan periods."""
+        return float(self.settings.rate_halflife_periods * self.settings.replan_every)
 
     @property
     def _short_halflife(self) -> float:
@@ -690,7 +692,7 @@ class AdaptiveController:
         def profile(rate: str) -> Workload:
             return Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
                                          rate_steps=max(2, self._rate_window(step)), rate=rate,
-                                         long_halflife_steps=float(s.rate_halflife_periods * s.replan_every),
+                                         long_halflife_steps=self._long_halflife,
                                          short_halflife_steps=self._short_halflife)
 
         workload = profile("long")

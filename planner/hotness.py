@@ -62,6 +62,11 @@ PHASES = {"fwd": "forward_accesses", "bwd": "backward_accesses", "rec": "recompu
 
 
 # ------------------------------------------------------------------------------ access rates
+def _alpha(halflife_steps: float) -> float:
+    """The EWMA's step weight for this halflife: ``1 - 2 ** (-1 / halflife_steps)``."""
+    return 1.0 - 2.0 ** (-1.0 / float(halflife_steps))
+
+
 def ewma_weights(halflife_steps: float, steps: int) -> np.ndarray:
     """The weights (oldest step first, summing to 1) that :func:`ewma` gives the steps of a
     series ``steps`` long: ``alpha (1 - alpha) ** age`` for each step after the first, and the
@@ -71,7 +76,7 @@ def ewma_weights(halflife_steps: float, steps: int) -> np.ndarray:
     count that (:func:`ewma_effective_steps`). Normalising the weights instead (every step by its
     age alone) was measured: the MoE benchmark's first plans then came out 15% slower at 30%
     (benchmarks/RESULTS.md, eighth run), so the rates stay as they are."""
-    alpha = 1.0 - 2.0 ** (-1.0 / float(halflife_steps))
+    alpha = _alpha(max(float(halflife_steps), 1e-9))
     n = max(1, int(steps))
     w = alpha * (1.0 - alpha) ** np.arange(n - 1, -1, -1, dtype=np.float64)
     w[0] = (1.0 - alpha) ** (n - 1)
@@ -85,7 +90,9 @@ def ewma(x: np.ndarray, halflife_steps: float) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     if x.shape[0] == 0:
         return np.zeros(x.shape[1:])
-    alpha = 1.0 - 2.0 ** (-1.0 / float(halflife_steps))
+    # the recursion, not ewma_weights @ x: a constant series stays exactly constant, so a dense
+    # shard's short and long EWMAs are equal and the planner's noise tests leave it out
+    alpha = _alpha(halflife_steps)
     s = x[0].copy()
     for t in range(1, x.shape[0]):
         s += alpha * (x[t] - s)
@@ -99,10 +106,9 @@ def ewma_effective_steps(halflife_steps: float, steps: int | None = None) -> flo
     (2 - alpha) / alpha)`` said 11, and the noise model saw routing changes in noise); without
     ``steps``, of an endless one: ``(2 - alpha) / alpha``."""
     if steps is None:
-        alpha = 1.0 - 2.0 ** (-1.0 / max(float(halflife_steps), 1e-9))
+        alpha = _alpha(max(float(halflife_steps), 1e-9))
         return (2.0 - alpha) / alpha
-    w = ewma_weights(max(float(halflife_steps), 1e-9), max(1, int(steps)))
-    return float(1.0 / np.sum(w ** 2))
+    return float(1.0 / np.sum(ewma_weights(halflife_steps, steps) ** 2))
 
 
 def ewma_difference_steps(halflife_a: float, halflife_b: float, steps: int) -> float:
@@ -111,9 +117,7 @@ def ewma_difference_steps(halflife_a: float, halflife_b: float, steps: int) -> f
     variance of one step over this is the difference's). The two share the newest steps, so their
     difference varies less than the two variances added: 0.6-0.8 of it for a quarter-period
     and a two-period EWMA; inf when both weigh the steps alike."""
-    n = max(1, int(steps))
-    d = ewma_weights(max(float(halflife_a), 1e-9), n) - ewma_weights(max(float(halflife_b), 1e-9), n)
-    ss = float(np.sum(d ** 2))
+    ss = float(np.sum((ewma_weights(halflife_a, steps) - ewma_weights(halflife_b, steps)) ** 2))
     return 1.0 / ss if ss > 0 else math.inf
 
 
