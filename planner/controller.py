@@ -7,7 +7,10 @@ optimizer step the engine asks it for moves:
 1. While a plan is being applied it re-issues what is left of it (the engine moves at most
    ``zinf.placement.migration_bytes_per_step`` a step and defers the rest).
 2. Otherwise, every ``replan_every`` steps - or earlier, when the measured step drifts from the
-   adopted plan's prediction by more than ``drift_fraction`` - it plans:
+   adopted plan's prediction by more than ``drift_fraction`` - it plans, in the planning process
+   (:mod:`planner.background`: a copy of this controller's state and an :class:`EngineView` go
+   there, the plan comes back and is taken up at a later step end, at most ``plan_lag_steps``
+   later; :meth:`AdaptiveController._take_up`), or between steps with ``plan_lag_steps`` 0:
 
    * flushes the profiler so the database holds the newest steps, and reads the steps since the
      last placement change (at most ``window_steps``): :meth:`planner.workload.Workload.from_profile`
@@ -50,16 +53,22 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 import statistics
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
 
 from zinf.errors import ZinfError
-from zinf.placement import Move
+from zinf.placement import DramNeed, Move
+from zinf.sizing import DramSizing, Overlap
+
+from planner.background import PlanningProcessError, shared_process, warm_up
 
 from planner.costmodel import CostModel
 from planner.hotness import ewma_difference_steps, ewma_effective_steps
@@ -188,8 +197,20 @@ class ControllerSettings:
     differ by less than this (relative L1) - a few tokens a step of a routed model differ by tens
     of per cent."""
 
+    plan_lag_steps: int = 4
+    """Plans are made in a child process while training goes on (:mod:`planner.background`): a
+    plan due after step k is taken up at the first step boundary that finds it made, and at the
+    latest after step k + this (training waits for it there). The steps that run while a plan is
+    being made are not measured (the child shares the CPUs). 0: plan on the training thread, the
+    step waiting for it, and the moves start right after the step the plan was due (what a
+    controller subclass the child cannot import needs)."""
+
     policy: PolicySettings = field(default_factory=PolicySettings)
 
+
+PLAN_TIMEOUT_S = 600.0
+"""Seconds the training thread waits, at the lag limit, for the planning process to answer
+before it kills it and goes on without that plan (the next plan starts another process)."""
 
 PLAN_RESIMULATE_HOMES = 128
 """Above this many movable homes the controller's greedy takes the solver's fast path."""
@@ -298,6 +319,116 @@ def _rate_change(now: "pd.Series", then: "pd.Series", varying_only: bool = False
     return float((now - then).abs().sum()) / total if total > 0 else float(now.abs().sum() > 0)
 
 
+@dataclass(frozen=True)
+class EngineView:
+    """What a plan reads of the engine, taken between two steps: picklable, so that the planning
+    process can ask it what the engine would need and grant with other placements
+    (:class:`zinf.sizing.DramSizing`) while the engine trains on."""
+
+    placement: dict[str, dict[str, str]]
+    overlap: Overlap
+    dram_need: DramNeed
+    sizing: DramSizing
+    dram_budget_bytes: int | None
+    prefetch_wanted_bytes: int
+
+    @classmethod
+    def of(cls, engine) -> "EngineView":
+        return cls(placement=engine.placement, overlap=engine.overlap, dram_need=engine.dram_need,
+                   sizing=engine.sizing, dram_budget_bytes=engine.config.zinf.dram_budget,
+                   prefetch_wanted_bytes=engine.prefetch_wanted_bytes)
+
+    def _places(self, placement) -> list:
+        from zinf.placement import ShardPlacement
+
+        current = [ShardPlacement(self.placement[sh.name]["param"], self.placement[sh.name]["optim"])
+                   for sh in self.sizing.shards]
+        return self.sizing.places_of(placement, current)
+
+    def dram_need_of(self, placement) -> DramNeed:
+        """As :meth:`zinf.engine.Engine.dram_need_of`."""
+        return self.sizing.need(self._places(placement))
+
+    def overlap_of(self, placement) -> Overlap:
+        """As :meth:`zinf.engine.Engine.overlap_of`."""
+        return self.sizing.overlap(self._places(placement), self.dram_budget_bytes, self.prefetch_wanted_bytes)
+
+
+@dataclass
+class _Job:
+    """A plan being made in the planning process: due after step ``step``."""
+
+    future: Future
+    step: int
+    started_s: float  # time.perf_counter() when it was handed over
+
+
+class _RecorderCalls:
+    """The planning process's stand-in for the recorder: it keeps the calls a plan makes, which
+    the training process replays on the real recorder when it takes the plan up."""
+
+    def __init__(self, run_id: int | None) -> None:
+        self.run_id = run_id
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def flush(self) -> None:
+        pass  # the training process flushed before handing the plan over
+
+    def record_plan(self, *args, **kwargs) -> None:
+        self.calls.append(("record_plan", args, kwargs))
+
+    def set_shard_detail_every(self, k: int) -> int:
+        self.calls.append(("set_shard_detail_every", (k,), {}))
+        return int(k)
+
+
+class _LogLines(logging.Handler):
+    """Keeps the planner's log lines of a plan made in the planning process, for the training
+    process to log when it takes the plan up."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelno, record.getMessage()))
+
+
+def _plan_in_child(cls: type, state: dict, view: EngineView, step: int, drifted: bool,
+                   before_s: float | None, run_id: int | None):
+    """Run in the planning process: a ``cls`` controller with the training process's ``state``
+    makes the plan due after ``step``. Returns the moves, its state afterwards (which replaces
+    the training process's), the recorder calls and the log lines the plan made."""
+    controller = cls.__new__(cls)
+    controller.__dict__.update(state)
+    calls = _RecorderCalls(run_id)
+    controller.recorder = calls
+    lines = _LogLines()
+    level, propagate = log.level, log.propagate
+    log.addHandler(lines)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False  # the training process logs them, where logging is configured
+    try:
+        moves = controller._plan_or_skip(view, step, drifted, before_s)
+    finally:
+        log.removeHandler(lines)
+        log.setLevel(level)
+        log.propagate = propagate
+    return moves, controller.__getstate__(), calls.calls, lines.lines
+
+
+_helper: ThreadPoolExecutor | None = None
+
+
+def _helper_thread() -> ThreadPoolExecutor:
+    """The thread that hands plans to the planning process and waits for them (it holds the GIL
+    only to pickle)."""
+    global _helper
+    if _helper is None:
+        _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-planner")
+    return _helper
+
+
 class _BudgetFull(PlanError):
     """Every split of the budget is taken by the placement in force: nothing to re-plan."""
 
@@ -356,6 +487,11 @@ class AdaptiveController:
         self._rates_from_step = 0
         # (seconds, step) of the newest fetch overhead a profile read measured (see _fetch_overhead_known)
         self._fetch_overhead: tuple[float, int] | None = None
+        self._job: _Job | None = None  # the plan being made in the planning process
+        self._planner_started = False  # the planning process was asked to import the planner
+        # plans made in the planning process: (step it was due after, step it was taken up after,
+        # seconds from handing it over to taking it up)
+        self.plan_lags: list[tuple[int, int, float]] = []
 
     # ------------------------------------------------------------------ what it is doing
     @property
@@ -573,6 +709,12 @@ class AdaptiveController:
         return 1.2533 * sigma * math.sqrt(2.0 / self._verify_steps)
 
     @property
+    def _lag_limit(self) -> int:
+        """Steps after it was due that a plan is waited for: ``plan_lag_steps``, at most a re-plan
+        period less one (the next plan is due after that)."""
+        return max(1, min(self.settings.plan_lag_steps, self.settings.replan_every - 1))
+
+    @property
     def _verify_steps(self) -> int:
         """Steps a landed plan is measured over: ``verify_steps``, at most a re-plan period."""
         s = self.settings
@@ -599,8 +741,13 @@ class AdaptiveController:
 
     def _after_step(self, engine) -> list[Move] | None:
         step = engine.global_steps
-        self._step_now = step
-        self._learn_migration_cost(getattr(engine, "last_migration", None))
+        if self.settings.plan_lag_steps > 0 and not self._planner_started:
+            # the planning process imports the planner while the first steps run
+            self._planner_started = True
+            _helper_thread().submit(shared_process().call, warm_up, ("planner.controller",))
+        if self._job is None:  # (a plan being made reads a copy of these: no migration runs meanwhile)
+            self._step_now = step
+            self._learn_migration_cost(getattr(engine, "last_migration", None))
         last = getattr(engine, "last_step", None)  # the previous step's {"wall_s": ...}
         # measured: the steps of the placement in force, less its first (it records the module
         # trace again), each less what this hook spent in it (planning, up to a second on the
@@ -611,6 +758,8 @@ class AdaptiveController:
             wall_s = max(wall_s, 0.0)
             self._recent_s.append(wall_s)
             self._placement_s[-1].append(wall_s)
+        if self._job is not None:  # a plan is being made in the planning process: take it up once made
+            return self._take_up(engine, step)
         if self._target is not None:
             left = diff_moves(homes_of(engine.placement), self._target)
             if left:
@@ -657,6 +806,92 @@ class AdaptiveController:
         recent = list(self._recent_s)[-self._verify_steps:]
         before_s = statistics.median(recent) if len(recent) >= s.drift_steps else None
         self._recent_s.clear()  # drift is judged on steps after this plan
+        if s.plan_lag_steps > 0 and self._can_plan_elsewhere():
+            self._hand_over(engine, step, drifted, before_s)
+            return None
+        moves = self._plan_or_skip(engine, step, drifted, before_s)
+        if moves:
+            engine.plan_version += 1
+        return moves
+
+    # ------------------------------------------------------------------ planning elsewhere
+    def __getstate__(self) -> dict:
+        """What the planning process gets (:meth:`_hand_over`): everything but the recorder and
+        the plan in flight, with copies of the step times the training thread goes on adding to."""
+        state = self.__dict__.copy()
+        state["recorder"] = None
+        state["_job"] = None
+        state["_recent_s"] = deque(self._recent_s, maxlen=self._recent_s.maxlen)
+        state["_placement_s"] = deque((list(xs) for xs in self._placement_s), maxlen=self._placement_s.maxlen)
+        return state
+
+    # measured by the training thread while a plan is being made: kept when the plan's state comes back
+    _MEASURED_HERE = ("_recent_s", "_placement_s", "_own_s")
+
+    def _can_plan_elsewhere(self) -> bool:
+        """Whether the planning process can rebuild this controller: its class must be importable
+        by name (a subclass defined inside a function is not); else plans are made here, and a
+        warning says so once."""
+        try:
+            pickle.dumps(type(self))
+            return True
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            if "elsewhere" not in self._warned:
+                self._warned.add("elsewhere")
+                log.warning("zinf planner: %s cannot be sent to the planning process (%s); plans are made on the "
+                            "training thread (set zinf.placement.plan_lag_steps: 0 to say so)", type(self).__name__, e)
+            return False
+
+    def _hand_over(self, engine, step: int, drifted: bool, before_s: float | None) -> None:
+        """Have the planning process make the plan due after ``step`` from a copy of this
+        controller (:func:`_plan_in_child`), while training goes on; :meth:`_take_up` takes it
+        up. The helper thread flushes the profiler first, so that the plan reads every step up
+        to ``step``."""
+        view = EngineView.of(engine)
+        state, cls, recorder = self.__getstate__(), type(self), self.recorder
+
+        def make() -> tuple:
+            if recorder is not None:
+                recorder.flush()
+            run_id = recorder.run_id if recorder is not None else None
+            return shared_process().call(_plan_in_child, cls, state, view, step, drifted, before_s, run_id)
+
+        self._job = _Job(_helper_thread().submit(make), step, time.perf_counter())
+
+    def _take_up(self, engine, step: int) -> list[Move] | None:
+        """The plan in flight, once made (at the latest ``plan_lag_steps`` steps after it was due,
+        waiting for it there): its state replaces this controller's (but for the steps measured
+        meanwhile), its recorder calls and log lines are made here, and its moves returned."""
+        job = self._job
+        if not job.future.done() and step - job.step < self._lag_limit:
+            return None
+        self._job = None
+        try:
+            moves, state, calls, lines = job.future.result(timeout=PLAN_TIMEOUT_S)
+        except FutureTimeout:
+            shared_process().kill()
+            raise PlanningProcessError(
+                f"the plan due after step {job.step} took over {PLAN_TIMEOUT_S:g} s in the planning process; "
+                "it was killed and the next plan starts another") from None
+        kept = {k: self.__dict__[k] for k in self._MEASURED_HERE}
+        recorder = self.recorder
+        self.__dict__.update(state)
+        self.__dict__.update(kept)
+        self.recorder = recorder
+        for name, args, kwargs in calls:
+            answer = getattr(recorder, name)(*args, **kwargs)
+            if name == "set_shard_detail_every":
+                self.detail_every = int(answer)
+        for level, line in lines:
+            log.log(level, line)
+        self.plan_lags.append((job.step, step, time.perf_counter() - job.started_s))
+        if moves:
+            engine.plan_version += 1
+        return moves
+
+    # ------------------------------------------------------------------ planning
+    def _plan_or_skip(self, engine, step: int, drifted: bool, before_s: float | None) -> list[Move] | None:
+        """:meth:`_plan`, with a plan that cannot be made recorded as a skip."""
         try:
             return self._plan(engine, step, drifted, before_s)
         except _BudgetFull as e:  # the placement in force already fills the budget: normal
@@ -667,7 +902,6 @@ class AdaptiveController:
             self._skip(str(e))
             return None
 
-    # ------------------------------------------------------------------ planning
     def _plan(self, engine, step: int, drifted: bool = False, before_s: float | None = None) -> list[Move] | None:
         s = self.settings
         self.recorder.flush()
@@ -806,7 +1040,6 @@ class AdaptiveController:
         # a reaction's homes are provisional: the plans after it, with more steps of the new
         # accesses, may send them back without the ping-pong hold (see PlacementPolicy.adopted)
         self.policy.adopted(decision, current, hold_rates.to_dict(), rate_variance=hold_variance, provisional=shifted)
-        engine.plan_version += 1
         self._target = decision.placement
         self._predicted_step_s = predicted_s
         before = float(workload.measured_step_s) if before_s is None else before_s

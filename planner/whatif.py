@@ -328,7 +328,7 @@ class WhatIf:
 
 @dataclass(frozen=True)
 class Buffers:
-    """Overlap buffers (bytes), as :class:`zinf.engine.Overlap` has them: the parameter prefetch
+    """Overlap buffers (bytes), as :class:`zinf.sizing.Overlap` has them: the parameter prefetch
     window, NVMe writes in flight, one optimizer group read ahead, the groups held by updates
     during backward."""
 

@@ -612,6 +612,12 @@ class PlacementConfig(_Section):
     """Adaptive: homes whose value per byte is within this fraction of the plan's DRAM threshold
     stay where they are (hysteresis against ping-pong)."""
 
+    plan_lag_steps: int = Field(4, ge=0)
+    """Adaptive: plans are made in a child process while training goes on; a plan due after step
+    k is taken up at the first step end that finds it made, at the latest after step k + this
+    (at most ``replan_every`` - 1; training waits for it there). 0: plan between steps on the
+    training thread, the step waiting for it."""
+
     revert_fraction: float | None = Field(0.05, ge=0)
     """Adaptive: a plan whose placement, once landed, measures slower than the placement it
     replaced by more than this fraction is reverted, and no similar plan is adopted until the

@@ -44,7 +44,7 @@ import time
 import uuid
 import warnings
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +73,7 @@ from zinf.placement import (
 )
 from zinf.prefetch import Prefetcher
 from zinf.shards import Member, Shard, build_shards
+from zinf.sizing import DramSizing, Overlap, ShardSizes
 from zinf.storage.aligned import BufferPool, aligned_empty
 from zinf.threads import single_threaded_torch
 
@@ -135,6 +136,7 @@ class ShardState:
 
     def key(self, what: str) -> str:
         return f"{self.shard.index:05d}.{what}"
+
 
 
 class Engine:
@@ -207,6 +209,7 @@ class Engine:
         # 2. refuse a budget the placement cannot meet, before touching any data; then size the
         #    overlap (prefetch window, optimizer read-ahead, writes in flight) from what is left
         self._stores: dict[str, object] = {}
+        self.sizing = self._sizing()
         self.dram_need = self._dram_need()
         try:
             check_budget(self.dram_need, cfg.zinf.dram_budget)
@@ -380,120 +383,60 @@ class Engine:
     def _aliases_master(self, st: ShardState, place: ShardPlacement | None = None) -> bool:
         """fp32 working copy and master in the same DRAM: one tensor serves both. ``place``:
         judge that placement instead of the shard's current one."""
-        place = place or st.place
-        return (
-            st.shard.trainable
-            and self.dtype == torch.float32
-            and self.device.type == "cpu"
-            and place.param in ("gpu", "cpu")
-            and place.optim in ("gpu", "cpu")
-        )
+        return self.sizing.aliases_master(st.shard.index, place or st.place)
 
-    def _dram_need(self) -> DramNeed:
-        on_cpu = self.device.type == "cpu"
-        dram_tiers = ("cpu", "gpu") if on_cpu else ("cpu",)
-        param_homes = optim_homes = 0
-        largest_nvme_group = 0
-        nvme_chunk_grads = 0
+    def _sizing(self) -> DramSizing:
+        """This engine's DRAM arithmetic (:mod:`zinf.sizing`): every shard's bytes, the module
+        tree's chains of shards, and the settings the overlap buffers depend on."""
+        cfg = self.config
+        shards = []
         for st in self.states:
             pb, ob, gb = self._nbytes(st)
-            if st.place.param in dram_tiers and not self._aliases_master(st):
-                param_homes += pb
-            if st.place.optim in dram_tiers:
-                optim_homes += ob + gb
-            elif st.place.optim == "nvme":
-                largest_nvme_group = max(largest_nvme_group, ob + 2 * gb)
-                if len(st.shard.members) > 1:
-                    nvme_chunk_grads += gb  # chunk grads wait in DRAM until backward ends
-        # Params materialised at once: a module's shards plus those of its ancestors, plus one
-        # more module's worth held until the end of backward (a first layer whose inputs need
-        # no grad gets no backward-done hook).
-        live = self._live_param_bound() + sum(
-            self._nbytes(st)[0] for st in self.states if len(st.shard.members) > 1 and st.place.param == "nvme")
-        staging = 0
-        if any(st.place.param == "nvme" or st.place.optim == "nvme" for st in self.states):
-            staging = self.config.zinf.staging_buffers * self.config.zinf.staging_buffer_size
-        return DramNeed(
-            param_homes_bytes=param_homes,
-            optim_homes_bytes=optim_homes,
-            working_bytes=(live if on_cpu else 0) + largest_nvme_group + nvme_chunk_grads,
-            staging_bytes=staging,
+            shards.append(ShardSizes(st.name, pb, ob, gb, st.shard.trainable, len(st.shard.members) > 1))
+        chains = tuple((tuple(c.shard.index for c in chain), tuple(o.shard.index for o in own))
+                       for chain, own in self._module_chains())
+        return DramSizing(
+            shards=tuple(shards), chains=chains, on_cpu=self.device.type == "cpu", fp32=self.dtype == torch.float32,
+            staging_bytes=cfg.zinf.staging_buffers * cfg.zinf.staging_buffer_size,
+            pipeline_write=cfg.zero_optimization.offload_optimizer.pipeline_write,
+            pipeline_read=cfg.zero_optimization.offload_optimizer.pipeline_read,
+            # (fp16: an update may run only once no gradient of the step overflowed, so none during backward)
+            eager_wanted=cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0 and not cfg.fp16.enabled,
         )
+
+    def _places(self) -> list[ShardPlacement]:
+        """Every shard's current placement, in shard order (what :class:`DramSizing` asks about)."""
+        return [st.place for st in self.states]
+
+    def _dram_need(self, places: Sequence[ShardPlacement] | None = None) -> DramNeed:
+        """The DRAM need of the current placement, or of ``places``."""
+        return self.sizing.need(self._places() if places is None else places)
 
     def _live_param_bound(self) -> int:
         """Upper bound (bytes) of non-resident params materialised at the same time."""
-        def fetched(st: ShardState) -> int:
-            resident = st.place.param == "gpu" or (self.device.type == "cpu" and st.place.param == "cpu")
-            return 0 if resident else self._nbytes(st)[0]
-
-        worst = 0
-        largest = 0
-        for chain, own in self._module_chains():
-            worst = max(worst, sum(fetched(st) for st in chain))
-            largest = max(largest, sum(fetched(st) for st in own))
-        return worst + largest
+        return self.sizing.live_param_bound(self._places())
 
     def _module_chains(self) -> list[tuple[tuple[ShardState, ...], tuple[ShardState, ...]]]:
         """Per module: the shards of it and its ancestors, and its own; computed once (the module
-        tree does not change), since the DRAM check of every migration walks it (~45 ms a walk
-        through ``get_submodule`` on a 100-expert MoE)."""
-        chains = getattr(self, "_chains_cache", None)
-        if chains is None:
-            chains = []
-            for name, mod in self.module.named_modules():
-                chain: set[ShardState] = set()
-                parts = name.split(".") if name else []
-                for depth in range(len(parts) + 1):
-                    anc = self.module.get_submodule(".".join(parts[:depth])) if depth else self.module
-                    chain.update(self._module_states.get(anc, []))
-                chains.append((tuple(chain), tuple(self._module_states.get(mod, []))))
-            self._chains_cache = chains
+        tree does not change)."""
+        chains = []
+        for name, mod in self.module.named_modules():
+            chain: set[ShardState] = set()
+            parts = name.split(".") if name else []
+            for depth in range(len(parts) + 1):
+                anc = self.module.get_submodule(".".join(parts[:depth])) if depth else self.module
+                chain.update(self._module_states.get(anc, []))
+            chains.append((tuple(sorted(chain, key=lambda st: st.shard.index)), tuple(self._module_states.get(mod, []))))
         return chains
 
     def _largest_nvme_group_bytes(self) -> int:
         """Bytes of the largest optimizer group (master, moments, gradient) homed on NVMe."""
-        return max((sum(self._nbytes(st)[1:]) for st in self.states if st.place.optim == "nvme"), default=0)
+        return self.sizing.largest_nvme_group_bytes(self._places())
 
-    def _size_overlap(self, budget_bytes: int | None) -> "Overlap":
-        """How much DRAM the overlap of I/O with compute may use, and which kinds are on.
-
-        Wanted: a window of writes in flight (two optimizer groups, so that write-back never
-        blocks the next update), one optimizer group read ahead (``pipeline_read``), two groups
-        for updates running during backward (``zinf.overlap_optimizer``), and the parameter
-        prefetch window (``stage3_prefetch_bucket_size`` elements, at most ``buffer_count`` x
-        ``buffer_size``). Under a budget they get what the placement leaves, in that order; what
-        does not fit is switched off (training stays correct, it is only slower).
-        """
-        cfg = self.config
-        zero = cfg.zero_optimization
-        off_opt = zero.offload_optimizer
-        any_nvme_optim = any(st.place.optim == "nvme" for st in self.states)
-        any_nvme_param = any(st.place.param == "nvme" for st in self.states)
-        group = self._largest_nvme_group_bytes()
-        left = None if budget_bytes is None else budget_bytes - self.dram_need.total_bytes
-
-        def grant(want: int) -> int:
-            nonlocal left
-            if left is None:
-                return want
-            got = want if want <= left else 0
-            left -= got
-            return got
-
-        write = grant(2 * group) if any_nvme_optim and off_opt.pipeline_write else 0
-        read_ahead = grant(group) if any_nvme_optim and off_opt.pipeline_read else 0
-        # (fp16: an update may run only once no gradient of the step overflowed, so none during backward)
-        eager_wanted = cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0 and any_nvme_optim and not cfg.fp16.enabled
-        eager = grant(3 * group) if eager_wanted else 0  # two updates queued, one group read ahead
-        prefetch = 0
-        want = self._wanted_prefetch_bytes()  # the config's, or set_io_settings'
-        if any_nvme_param and want > 0:
-            prefetch = want if left is None else max(0, min(want, left))
-            # a window smaller than the largest shard could never hold a read
-            largest = max((self._nbytes(st)[0] for st in self.states if st.place.param == "nvme"), default=0)
-            prefetch = prefetch if prefetch >= largest else 0
-        return Overlap(write_bytes=write, read_ahead_bytes=read_ahead, eager_bytes=eager, prefetch_bytes=prefetch,
-                       eager=eager > 0)
+    def _size_overlap(self, budget_bytes: int | None) -> Overlap:
+        """The overlap buffers the current placement gets under ``budget_bytes`` (see
+        :meth:`DramSizing.overlap`), with the prefetch window asked for now."""
+        return self.sizing.overlap(self._places(), budget_bytes, self._wanted_prefetch_bytes(), self.dram_need)
 
     def _new_prefetcher(self, stats=None) -> Prefetcher:
         """A prefetcher that records its trace in the next pass (``stats`` carried over, if given)."""
@@ -1396,6 +1339,11 @@ class Engine:
         elem = self.dtype.itemsize
         return min(zero.stage3_prefetch_bucket_size, zero.offload_param.buffer_count * zero.offload_param.buffer_size) * elem
 
+    @property
+    def prefetch_wanted_bytes(self) -> int:
+        """The prefetch window asked for, before the DRAM budget caps it (for planners)."""
+        return self._wanted_prefetch_bytes()
+
     def _check_prefetch_fits(self, want: int) -> None:
         """Raise unless a prefetch window of ``want`` bytes would be granted in full."""
         from zinf.errors import BudgetError
@@ -1409,13 +1357,8 @@ class Engine:
         budget = self.config.zinf.dram_budget
         if budget is None:
             return
-        saved = getattr(self, "_prefetch_override", None), self.dram_need
-        self._prefetch_override, self.dram_need = want, self._dram_need()
-        try:
-            overlap = self._size_overlap(budget)
-            left = budget - self.dram_need.total_bytes - (overlap.total_bytes - overlap.prefetch_bytes)
-        finally:
-            self._prefetch_override, self.dram_need = saved
+        overlap = self.sizing.overlap(self._places(), budget, want, self.dram_need)
+        left = budget - self.dram_need.total_bytes - (overlap.total_bytes - overlap.prefetch_bytes)
         if overlap.prefetch_bytes < want:
             raise BudgetError(f"engine.set_io_settings: a prefetch window of {fmt_bytes(want)} does not fit zinf.dram_budget "
                               f"{fmt_bytes(budget)} ({fmt_bytes(max(0, left))} left after homes, working set and the other "
@@ -1548,36 +1491,18 @@ class Engine:
     def dram_need_of(self, placement: Mapping[str, Mapping[str, str]]) -> DramNeed:
         """The DRAM need (homes, working set, staging; no overlap buffers) the engine would have
         with ``placement`` ({shard: {"param": tier, "optim": tier}}; shards left out keep their
-        tiers), computed as ``initialize`` checks it. Nothing moves. For planners: the working
-        set shrinks when params become resident, which a plan may spend on hot homes."""
-        with self._placed_as(placement):
-            return self.dram_need  # computed for the placement by _placed_as
+        tiers), computed as ``initialize`` checks it. Nothing moves and no state changes. For
+        planners: the working set shrinks when params become resident, which a plan may spend on
+        hot homes. (A planner in another process asks :attr:`sizing` the same.)"""
+        return self.sizing.need(self.sizing.places_of(placement, self._places()))
 
-    def overlap_of(self, placement: Mapping[str, Mapping[str, str]]) -> "Overlap":
+    def overlap_of(self, placement: Mapping[str, Mapping[str, str]]) -> Overlap:
         """The overlap buffers (prefetch window, writes in flight, read-ahead, updates during
         backward) the engine would grant under ``zinf.dram_budget`` with ``placement``, as it
-        re-sizes them after a migration. Nothing moves. For planners: what a plan leaves of the
-        budget decides which kinds of overlap the engine keeps."""
-        with self._placed_as(placement):
-            return self._size_overlap(self.config.zinf.dram_budget)
-
-    @contextlib.contextmanager
-    def _placed_as(self, placement: Mapping[str, Mapping[str, str]]):
-        """Within the block, every shard's ``place`` (and ``dram_need``) is as in ``placement``
-        (shards left out keep theirs); both are put back afterwards. No data moves: for asking
-        what the engine would need or grant with another placement."""
-        saved_places, saved_need = [st.place for st in self.states], self.dram_need
-        try:
-            for st in self.states:
-                tiers = placement.get(st.name)
-                if tiers is not None:
-                    st.place = ShardPlacement(tiers.get("param", st.place.param), tiers.get("optim", st.place.optim))
-            self.dram_need = self._dram_need()
-            yield
-        finally:
-            for st, place in zip(self.states, saved_places):
-                st.place = place
-            self.dram_need = saved_need
+        re-sizes them after a migration. Nothing moves and no state changes. For planners: what a
+        plan leaves of the budget decides which kinds of overlap the engine keeps."""
+        places = self.sizing.places_of(placement, self._places())
+        return self.sizing.overlap(places, self.config.zinf.dram_budget, self._wanted_prefetch_bytes())
 
     def _over_dram_budget(self, st: ShardState, new: ShardPlacement) -> str | None:
         """Why placing ``st`` at ``new`` would break ``zinf.dram_budget`` (None: it fits), by the
@@ -1586,11 +1511,9 @@ class Engine:
         budget = self.config.zinf.dram_budget
         if budget is None:
             return None
-        old, st.place = st.place, new
-        try:
-            need = self._dram_need()
-        finally:
-            st.place = old
+        places = self._places()
+        places[st.shard.index] = new
+        need = self._dram_need(places)
         if need.total_bytes <= budget:
             return None
         return (f"over the DRAM budget: the placement would need {fmt_bytes(need.total_bytes)} of DRAM, "
@@ -1988,26 +1911,6 @@ class _StepTimer:
             "stall_s": self.stall_s,
             "loss": sum(losses) / len(losses) if losses else None,
         }
-
-
-@dataclass
-class Overlap:
-    """DRAM granted to overlapping I/O with compute (see :meth:`Engine._size_overlap`)."""
-
-    write_bytes: int
-    """Bytes of NVMe writes that may be in flight behind compute (0: writes are synchronous)."""
-    read_ahead_bytes: int
-    """One optimizer group read ahead of its update (0: ``pipeline_read`` off)."""
-    eager_bytes: int
-    """Groups held by updates running during backward."""
-    prefetch_bytes: int
-    """The parameter prefetch window (0: prefetch off)."""
-    eager: bool
-    """Whether shards are updated during backward (clipping off, ``zinf.overlap_optimizer``)."""
-
-    @property
-    def total_bytes(self) -> int:
-        return self.write_bytes + self.read_ahead_bytes + self.eager_bytes + self.prefetch_bytes
 
 
 class _WriteWindow:

@@ -1,0 +1,213 @@
+"""Planning off the training thread: the engine's DRAM arithmetic asked without touching the
+engine, the planning process, and plans made there against the same plans made inline."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+import zinf
+from zinf.placement import Move
+
+from planner import background
+from planner.background import PlanningProcess, PlanningProcessError, shared_process
+from planner.controller import AdaptiveController, ControllerSettings, EngineView, _plan_in_child
+from planner.policy import PolicySettings
+from profiler import queries
+
+from test_controller import MiB, adaptive_config, skewed_moe
+
+
+# ------------------------------------------------------------------ sizing without side effects
+def test_asking_what_a_placement_needs_changes_nothing_and_matches_moving_there(tmp_path):
+    """``dram_need_of`` and ``overlap_of`` answer for another placement without touching the
+    shards' places (a planner asks from another process while training runs), and say what the
+    engine then has once it really moves there; a pickled :class:`EngineView` says the same."""
+    model, _, data = skewed_moe()
+    config = adaptive_config(tmp_path, 16 * MiB, policy="static")
+    with zinf.initialize(model, config) as engine:
+        x, y = data.get(0)
+        engine.backward(engine(x, y))
+        engine.step()
+        before = copy.deepcopy(engine.placement)
+        names = [n for n, t in before.items() if t["optim"] == "nvme"][:3]
+        target = {n: {"param": "cpu", "optim": "cpu"} for n in names}
+        need, overlap = engine.dram_need_of(target), engine.overlap_of(target)
+        view = pickle.loads(pickle.dumps(EngineView.of(engine)))
+        assert engine.placement == before, "asking moved nothing"
+        assert (view.dram_need_of(target), view.overlap_of(target)) == (need, overlap)
+        assert need.optim_homes_bytes > engine.dram_need.optim_homes_bytes  # three shards' homes more in DRAM
+        engine.migrate([Move(n, s, "cpu") for n in names for s in ("param", "optim")])
+        # (the engine's own need also counts the overlap buffers it granted)
+        assert engine.dram_need == dataclasses.replace(need, overlap_bytes=overlap.total_bytes)
+        assert engine.overlap == overlap
+
+
+# ------------------------------------------------------------------ the planning process
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+def test_the_planning_process_runs_at_lower_priority_answers_and_reports_failures():
+    proc = PlanningProcess()
+    try:
+        child = proc.call(os.getpid)
+        assert child != os.getpid() and proc.pid == child
+        if hasattr(os, "getpriority"):
+            assert os.getpriority(os.PRIO_PROCESS, child) >= os.getpriority(os.PRIO_PROCESS, 0) + background.NICE_INCREMENT \
+                or os.getpriority(os.PRIO_PROCESS, child) == 19  # nice is capped at 19
+        with pytest.raises(PlanningProcessError, match="ValueError: no plan today"):
+            proc.call(_raise, "no plan today")
+        assert proc.call(os.getpid) == child, "a failing request leaves the process running"
+        proc.kill()
+        with pytest.raises(PlanningProcessError, match="stopped"):
+            proc.call(os.getpid)
+        assert proc.call(os.getpid) not in (child, None), "the next request starts another process"
+    finally:
+        proc.stop()
+    assert proc.pid is None
+
+
+# ------------------------------------------------------------------ plans made elsewhere
+class _Recorded:
+    """Keeps the plans a controller records (the inline side of the comparison)."""
+
+    def __init__(self, run_id: int) -> None:
+        self.run_id, self.plans = run_id, []
+
+    def flush(self) -> None:
+        pass
+
+    def record_plan(self, *args, **kwargs) -> None:
+        self.plans.append(kwargs)
+
+    def set_shard_detail_every(self, k: int) -> int:
+        return k
+
+
+def test_a_plan_made_in_the_planning_process_is_the_plan_made_inline(tmp_path):
+    """The same controller state and profile give the same plan in the planning process (from a
+    pickled :class:`EngineView`) as on the training thread (from the engine itself)."""
+    model, _, data = skewed_moe(skew=3.0)
+    config = adaptive_config(tmp_path, 8 * MiB, replan_every=1000)  # the engine's controller never plans here
+    with zinf.initialize(model, config) as engine:
+        for step in range(8):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        engine.recorder.flush()
+        run_id = engine.recorder.run_id
+        settings = ControllerSettings(replan_every=4, policy=PolicySettings(margin=0, min_gain_fraction=0))
+        fresh = AdaptiveController(config["zinf"]["profiler"]["db"], None, 8 * MiB, settings)
+        fresh._step_now = step = engine.global_steps
+        state = fresh.__getstate__()
+
+        inline = AdaptiveController.__new__(AdaptiveController)
+        inline.__dict__.update(copy.deepcopy(state))
+        inline.recorder = _Recorded(run_id)
+        moves_inline = inline._plan_or_skip(engine, step, False, None)
+
+        moves, after, calls, lines = shared_process().call(
+            _plan_in_child, AdaptiveController, state, EngineView.of(engine), step, False, None, run_id)
+    assert moves_inline, "the skewed MoE's first plan moves hot experts into DRAM"
+    assert [(m.shard, m.state, m.dst) for m in moves] == [(m.shard, m.state, m.dst) for m in moves_inline]
+    recorded = [kw for name, _, kw in calls if name == "record_plan"]
+    assert len(recorded) == len(inline.recorder.plans) == 1
+    for key in ("predicted_step_s", "predicted_gain_s", "adopted"):
+        assert recorded[0][key] == pytest.approx(inline.recorder.plans[0][key], rel=1e-9), key
+    assert after["plans_made"] == inline.plans_made == 1 and after["_target"] == inline._target
+    assert any("plan 1" in line for _, line in lines), lines
+
+
+def test_plans_are_made_elsewhere_and_taken_up_within_the_lag(tmp_path):
+    """An adaptive run with ``plan_lag_steps`` 2: every plan is made in the planning process and
+    taken up at most 2 steps after it was due; the log lines and plans it made are recorded by
+    the training process; training matches the same run planned inline (lag 0) exactly."""
+    steps = 16
+
+    def run(lag: int):
+        model, _, data = skewed_moe(skew=3.0)
+        losses = []
+        config = adaptive_config(tmp_path / f"lag{lag}", 8 * MiB, plan_lag_steps=lag)
+        with zinf.initialize(model, config) as engine:
+            for step in range(steps):
+                x, y = data.get(step)
+                loss = engine(x, y)
+                losses.append(loss.item())
+                engine.backward(loss)
+                engine.step()
+            engine.recorder.flush()
+            plans = queries.plans(config["zinf"]["profiler"]["db"], engine.recorder.run_id)
+            return losses, engine.controller, plans, engine.plan_version
+
+    losses, controller, plans, version = run(2)
+    assert controller.plan_lags, "plans were made in the planning process"
+    for due, taken, _ in controller.plan_lags:
+        assert due < taken <= due + 2
+    assert len(plans) == controller.plans_made >= 2 and version == int(plans["adopted"].sum()) >= 1
+    assert shared_process().pid not in (None, os.getpid())
+    inline_losses, inline_controller, inline_plans, _ = run(0)
+    assert not inline_controller.plan_lags and len(inline_plans) >= 2
+    assert max(abs(a - b) for a, b in zip(losses, inline_losses)) <= 1e-6, "placement never changes the math"
+
+
+class ExplodingController(AdaptiveController):
+    """Importable by the planning process; its plans fail there."""
+
+    def _plan(self, engine, step, drifted=False, before_s=None):
+        raise RuntimeError(f"boom at step {step}")
+
+
+class SlowController(AdaptiveController):
+    """Importable by the planning process; its plans take 30 s there."""
+
+    def _plan(self, engine, step, drifted=False, before_s=None):
+        time.sleep(30)
+        return None
+
+
+def _engine_with(controller_cls, tmp_path, **settings):
+    model, _, data = skewed_moe()
+    config = adaptive_config(tmp_path, 8 * MiB, policy="static")
+    config["zinf"]["profiler"]["enabled"] = True
+    engine = zinf.initialize(model, config)
+    engine.controller = controller_cls(config["zinf"]["profiler"]["db"], engine.recorder, 8 * MiB,
+                                       ControllerSettings(replan_every=4, **settings))
+    return engine, data
+
+
+def test_a_plan_failing_in_the_planning_process_is_logged_and_training_goes_on(tmp_path, caplog):
+    engine, data = _engine_with(ExplodingController, tmp_path, plan_lag_steps=1)
+    with engine, caplog.at_level("WARNING"):
+        for step in range(12):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        assert engine.global_steps == 12
+    failures = [r.getMessage() for r in caplog.records if "ExplodingController failed" in r.getMessage()]
+    assert len(failures) >= 2 and "RuntimeError: boom at step 4" in failures[0], "the next plan is tried again"
+
+
+def test_a_plan_that_never_comes_is_given_up_at_the_lag_limit(tmp_path, caplog, monkeypatch):
+    """A plan still not made after PLAN_TIMEOUT_S at the lag limit: the process is killed, the
+    engine logs it and trains on, and the next plan runs in a new process."""
+    import planner.controller as pc
+
+    monkeypatch.setattr(pc, "PLAN_TIMEOUT_S", 0.5)
+    engine, data = _engine_with(SlowController, tmp_path, plan_lag_steps=1)
+    first = shared_process().call(os.getpid)
+    t0 = time.perf_counter()
+    with engine, caplog.at_level("WARNING"):
+        for step in range(7):  # one plan, due after step 4 (the next would be due after step 8)
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+    assert time.perf_counter() - t0 < 20, "the training thread did not wait for the 30 s plan"
+    assert any("took over 0.5 s" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert shared_process().call(os.getpid) != first
