@@ -171,7 +171,7 @@ def base_config(w: Workload, swap: Path, budget_bytes: int) -> dict:
 
 
 def policy_config(w: Workload, policy: str, swap: Path, budget_bytes: int, *, max_in_cpu: int = 0,
-                  replan_every: int = 4) -> dict:
+                  replan_every: int = 4, plan_lag: int | None = None) -> dict:
     cfg = base_config(w, swap, budget_bytes)
     if policy == "max_in_cpu":
         cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
@@ -179,6 +179,8 @@ def policy_config(w: Workload, policy: str, swap: Path, budget_bytes: int, *, ma
         if max_in_cpu:  # start where DeepSpeed's rule would put the params, then re-plan
             cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
         cfg["zinf"]["placement"] = {"policy": "adaptive", "replan_every": replan_every}
+        if plan_lag is not None:
+            cfg["zinf"]["placement"]["plan_lag_steps"] = plan_lag
         # it plans from the profile (and pays for recording it): a database beside the swap files
         cfg["zinf"]["profiler"] = {"db": f"sqlite:///{swap}/profile.db"}
     elif policy != "nvme":
@@ -471,7 +473,8 @@ def sweep(w: Workload, budgets: list[float], policies: list[str], swap: Path, ar
                     cell.runs.append(Run("refused", "the budget is below the working set even with max_in_cpu 0"))
                     continue
                 n = start_n[b] if p == "adaptive" else cell.max_in_cpu or 0
-                cfg = policy_config(w, p, swap, budget_bytes, max_in_cpu=n, replan_every=args.replan_every)
+                cfg = policy_config(w, p, swap, budget_bytes, max_in_cpu=n, replan_every=args.replan_every,
+                                    plan_lag=args.plan_lag)
                 run = train(w, cfg, args.warmup, args.steps, need_controller=(p == "adaptive"))
                 cell.runs.append(run)
                 adaptive_missing |= p == "adaptive" and run.status == "unavailable"
@@ -562,7 +565,8 @@ def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[f
     w_new = replace(w, model=moved)
     for b in budgets:
         n = largest_max_in_cpu(w, swap, int(b * w.state_bytes)) if args.adaptive_start == "max_in_cpu" else 0
-        cfg = policy_config(w, "adaptive", swap, int(b * w.state_bytes), max_in_cpu=n or 0, replan_every=args.replan_every)
+        cfg = policy_config(w, "adaptive", swap, int(b * w.state_bytes), max_in_cpu=n or 0, replan_every=args.replan_every,
+                            plan_lag=args.plan_lag)
         run = train(w, cfg, warmup=total, steps=0, need_controller=True, drift_at=args.drift_at)
         if run.status == "unavailable":
             print("\ndrift: adaptive: not available in this checkout")
@@ -632,6 +636,15 @@ def describe_routing(w: Workload) -> str:
                      f"{statistics.mean(h):.1f}/{cfg.n_experts} experts hit per step" for layer, h in enumerate(hits))
 
 
+def plan_lag_text(plan_lag: int | None) -> str:
+    """Where the adaptive policy's plans are made, in words."""
+    from planner.controller import default_plan_lag_steps
+
+    lag = default_plan_lag_steps() if plan_lag is None else plan_lag
+    where = "between steps" if lag == 0 else f"in the planning process (plan_lag_steps {lag})"
+    return where + (" (this machine's default)" if plan_lag is None else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--path", type=Path, required=True, help="directory on the disk to measure (swap files go under it)")
@@ -644,6 +657,9 @@ def main() -> None:
                     help="rounds; the policy order rotates from round to round (default 3: each policy once in "
                          "each slot; 2 with --quick)")
     ap.add_argument("--replan-every", type=int, default=4, help="zinf.placement.replan_every of the adaptive policy")
+    ap.add_argument("--plan-lag", type=int, default=None,
+                    help="zinf.placement.plan_lag_steps of the adaptive policy (default: the config's default for this "
+                         "machine; 0 plans between steps, N > 0 in the planning process)")
     ap.add_argument("--adaptive-start", choices=("max_in_cpu", "nvme"), default="max_in_cpu",
                     help="where the adaptive policy starts: DeepSpeed's max_in_cpu placement at the budget "
                          "(default), or everything on NVMe")
@@ -680,6 +696,7 @@ def main() -> None:
           + (f" ({torch.cuda.get_device_name()})" if DEVICE != "cpu" and torch.cuda.is_available() else "")
           + f", {fs.fstype} at {args.path}; "
           f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} measured steps) per (budget, policy); "
+          f"adaptive plans {plan_lag_text(args.plan_lag)}; "
           f"load average {load_average()} (other work on the machine skews every number)")
     swap = args.path / f"planner-policies-{os.getpid()}"
     results: dict[str, dict[float, dict[str, Cell]]] = {}

@@ -5,14 +5,20 @@ and simulates its candidates: 0.1-1.5 s of pure-Python and pandas work on 2 core
 training thread that is a stalled step; on another thread of the same process it holds the GIL
 that the training thread's module hooks and I/O callbacks need, so the step runs as slowly as
 if it had waited (measured on the dense GPT at 20%: a planning-sized load every 8 steps cost
-11% of the mean step inline and 11% on a thread, 5% in a child process at lower priority).
+11% of the mean step inline and 11% on a thread, 5% in a child process at ``nice`` +10).
 
 :class:`PlanningProcess` starts ``python -m planner.background`` with the parent's ``sys.path``
 (not ``multiprocessing``: its ``spawn`` and ``forkserver`` start methods import the parent's
 ``__main__`` again, which re-runs a training script without a ``__name__`` guard). Requests go
 over the child's stdin as pickles of ``(function, args)``, answers come back over a pipe of
-their own as ``("ok", result)`` or ``("error", message)``. The child lowers its CPU priority
-(``nice`` +10) and uses one thread for numeric libraries: it takes the cycles training leaves.
+their own as ``("ok", result)`` or ``("error", message)``. The child runs under Linux's
+``SCHED_IDLE`` policy (elsewhere: ``nice`` +10) and uses one thread for numeric libraries: it
+takes only the CPU time training leaves. (On the MoE benchmark at 30%, a plan of 1-1.5 s made
+there at ``nice`` +10 still slowed the steps it overlapped by up to 2x; under ``SCHED_IDLE`` the
+median and mean step were below those of planning between steps.) At the lag limit the training
+thread waits, and the child then has the CPUs to itself. With fewer than 4 CPUs the controller
+plans between steps by default (``ControllerSettings.plan_lag_steps``): the child has no CPU of
+its own there, and at 20% it measured slower (docs/architecture.md).
 It exits when the parent closes the pipe (the parent exiting, killed or not).
 """
 
@@ -29,17 +35,23 @@ from typing import Any, Callable
 __all__ = ["PlanningProcess", "PlanningProcessError", "shared_process", "warm_up"]
 
 NICE_INCREMENT = 10
-"""How much the child lowers its own CPU priority (Linux ``nice``)."""
+"""How much the child lowers its own CPU priority where ``SCHED_IDLE`` is not available."""
 
 
 class PlanningProcessError(RuntimeError):
-    """The planning process failed: it died, or a request raised there (the message says which)."""
+    """The planning process failed: it died (``died``), or a request raised there (the message
+    says what)."""
+
+    def __init__(self, message: str, died: bool = False) -> None:
+        super().__init__(message)
+        self.died = died
 
 
 class PlanningProcess:
     """One child Python process that runs picklable functions, one request at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, executable: str | None = None) -> None:
+        self.executable = executable or sys.executable  # the Python the child runs
         self._proc: subprocess.Popen | None = None
         self._answers = None  # the read end of the child's answer pipe (a file)
         self._lock = threading.Lock()  # one request at a time, whichever thread asks
@@ -62,7 +74,7 @@ class PlanningProcess:
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "planner.background", str(write_fd)],
+                [self.executable, "-m", "planner.background", str(write_fd)],
                 stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env, close_fds=True)
         finally:
             os.close(write_fd)
@@ -81,7 +93,8 @@ class PlanningProcess:
             except (BrokenPipeError, EOFError, OSError) as e:
                 code = self._proc.poll()
                 self._stop()
-                raise PlanningProcessError(f"the planning process stopped (exit code {code}): {type(e).__name__}") from None
+                raise PlanningProcessError(f"the planning process stopped (exit code {code}): {type(e).__name__}",
+                                           died=True) from None
         if status != "ok":
             raise PlanningProcessError(value)
         return value
@@ -137,10 +150,13 @@ def shared_process() -> PlanningProcess:
 
 def _serve(answer_fd: int) -> None:
     """The child's loop: answer requests from stdin until it closes."""
-    try:
-        os.nice(NICE_INCREMENT)
-    except (AttributeError, OSError):  # not on this platform: run at the parent's priority
-        pass
+    try:  # Linux: run only when a CPU would otherwise idle
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.nice(NICE_INCREMENT)
+        except (AttributeError, OSError):  # not on this platform: run at the parent's priority
+            pass
     requests = sys.stdin.buffer
     answers = os.fdopen(answer_fd, "wb")
     while True:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import pickle
 import statistics
 import time
@@ -197,16 +198,43 @@ class ControllerSettings:
     differ by less than this (relative L1) - a few tokens a step of a routed model differ by tens
     of per cent."""
 
-    plan_lag_steps: int = 4
+    plan_lag_steps: int | None = None
     """Plans are made in a child process while training goes on (:mod:`planner.background`): a
     plan due after step k is taken up at the first step boundary that finds it made, and at the
-    latest after step k + this (training waits for it there). The steps that run while a plan is
-    being made are not measured (the child shares the CPUs). 0: plan on the training thread, the
-    step waiting for it, and the moves start right after the step the plan was due (what a
-    controller subclass the child cannot import needs)."""
+    latest after step k + this, at most ``replan_every`` - 1 (training waits for it there). The
+    steps that run meanwhile train as any other but are not measured for the planner (the child
+    shares the CPUs), as the seconds a plan took between steps were not. 0:
+    plan on the training thread, the step waiting for it, and the moves start right after the
+    step the plan was due (what a controller subclass the child cannot import needs). After
+    ``PROCESS_DEATHS_INLINE`` planning processes in a row died (one that cannot start, say),
+    plans are made on the training thread for the rest of the run. None (default): 4 where this
+    process may run on at least ``BACKGROUND_MIN_CPUS`` CPUs, else 0 - the planning process needs
+    a CPU the training does not: on the 2-core VM, where it has none, planning there measured no
+    faster than between steps (see :mod:`planner.background`)."""
 
     policy: PolicySettings = field(default_factory=PolicySettings)
 
+
+BACKGROUND_MIN_CPUS = 4
+"""CPUs this process may run on from which plans are made in the planning process by default."""
+
+DEFAULT_PLAN_LAG_STEPS = 4
+"""``plan_lag_steps`` where plans are made in the planning process by default."""
+
+
+def default_plan_lag_steps() -> int:
+    """``plan_lag_steps`` when the config leaves it out: :data:`DEFAULT_PLAN_LAG_STEPS` with at
+    least :data:`BACKGROUND_MIN_CPUS` usable CPUs, else 0 (plan between steps)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return DEFAULT_PLAN_LAG_STEPS if cpus >= BACKGROUND_MIN_CPUS else 0
+
+
+PROCESS_DEATHS_INLINE = 2
+"""Planning processes dying in a row (not a plan that raised there) after which the controller
+plans on the training thread instead."""
 
 PLAN_TIMEOUT_S = 600.0
 """Seconds the training thread waits, at the lag limit, for the planning process to answer
@@ -489,6 +517,8 @@ class AdaptiveController:
         self._fetch_overhead: tuple[float, int] | None = None
         self._job: _Job | None = None  # the plan being made in the planning process
         self._planner_started = False  # the planning process was asked to import the planner
+        self._process_deaths = 0  # planning processes that died in a row
+        self._planned_through = 0  # the last step that ran while the planning process made a plan
         # plans made in the planning process: (step it was due after, step it was taken up after,
         # seconds from handing it over to taking it up)
         self.plan_lags: list[tuple[int, int, float]] = []
@@ -709,10 +739,16 @@ class AdaptiveController:
         return 1.2533 * sigma * math.sqrt(2.0 / self._verify_steps)
 
     @property
+    def plan_lag_steps(self) -> int:
+        """``settings.plan_lag_steps``, or its default for this machine (:func:`default_plan_lag_steps`)."""
+        lag = self.settings.plan_lag_steps
+        return default_plan_lag_steps() if lag is None else lag
+
+    @property
     def _lag_limit(self) -> int:
         """Steps after it was due that a plan is waited for: ``plan_lag_steps``, at most a re-plan
         period less one (the next plan is due after that)."""
-        return max(1, min(self.settings.plan_lag_steps, self.settings.replan_every - 1))
+        return max(1, min(self.plan_lag_steps, self.settings.replan_every - 1))
 
     @property
     def _verify_steps(self) -> int:
@@ -741,7 +777,7 @@ class AdaptiveController:
 
     def _after_step(self, engine) -> list[Move] | None:
         step = engine.global_steps
-        if self.settings.plan_lag_steps > 0 and not self._planner_started:
+        if self.plan_lag_steps > 0 and not self._planner_started:
             # the planning process imports the planner while the first steps run
             self._planner_started = True
             _helper_thread().submit(shared_process().call, warm_up, ("planner.controller",))
@@ -752,8 +788,13 @@ class AdaptiveController:
         # measured: the steps of the placement in force, less its first (it records the module
         # trace again), each less what this hook spent in it (planning, up to a second on the
         # MoE, and the migration): a placement is judged on its training steps - with plans every
-        # few steps after a drift, one step in three carried a plan and inflated the noise
-        if last and last.get("wall_s") is not None and self._target is None and step - 1 > self._settled_step:
+        # few steps after a drift, one step in three carried a plan and inflated the noise. Nor
+        # are the steps that ran while the planning process made a plan: it shares the CPUs, and
+        # on the MoE at 20% measuring them made each plan see a slower step than the last
+        # (209 -> 339 ms, same placement), drift plans every 4-5 steps, and more of them.
+        overlapped = step - 1 <= self._planned_through or (self._job is not None and step - 1 > self._job.step)
+        if (last and last.get("wall_s") is not None and self._target is None and step - 1 > self._settled_step
+                and not overlapped):
             wall_s = float(last["wall_s"]) - self._own_s - float(last.get("migration_s") or 0.0)
             wall_s = max(wall_s, 0.0)
             self._recent_s.append(wall_s)
@@ -806,7 +847,7 @@ class AdaptiveController:
         recent = list(self._recent_s)[-self._verify_steps:]
         before_s = statistics.median(recent) if len(recent) >= s.drift_steps else None
         self._recent_s.clear()  # drift is judged on steps after this plan
-        if s.plan_lag_steps > 0 and self._can_plan_elsewhere():
+        if self.plan_lag_steps > 0 and self._process_deaths < PROCESS_DEATHS_INLINE and self._can_plan_elsewhere():
             self._hand_over(engine, step, drifted, before_s)
             return None
         moves = self._plan_or_skip(engine, step, drifted, before_s)
@@ -826,7 +867,7 @@ class AdaptiveController:
         return state
 
     # measured by the training thread while a plan is being made: kept when the plan's state comes back
-    _MEASURED_HERE = ("_recent_s", "_placement_s", "_own_s")
+    _MEASURED_HERE = ("_recent_s", "_placement_s", "_own_s", "plan_lags")
 
     def _can_plan_elsewhere(self) -> bool:
         """Whether the planning process can rebuild this controller: its class must be importable
@@ -873,6 +914,13 @@ class AdaptiveController:
             raise PlanningProcessError(
                 f"the plan due after step {job.step} took over {PLAN_TIMEOUT_S:g} s in the planning process; "
                 "it was killed and the next plan starts another") from None
+        except PlanningProcessError as e:
+            self._process_deaths = self._process_deaths + 1 if e.died else 0
+            if self._process_deaths >= PROCESS_DEATHS_INLINE:
+                log.warning("zinf planner: the planning process died %d times in a row (%s); plans are made on "
+                            "the training thread from now on", self._process_deaths, e)
+            raise
+        self._process_deaths = 0
         kept = {k: self.__dict__[k] for k in self._MEASURED_HERE}
         recorder = self.recorder
         self.__dict__.update(state)
@@ -885,6 +933,7 @@ class AdaptiveController:
         for level, line in lines:
             log.log(level, line)
         self.plan_lags.append((job.step, step, time.perf_counter() - job.started_s))
+        self._planned_through = step  # this step ran while the plan was being made
         if moves:
             engine.plan_version += 1
         return moves
@@ -927,7 +976,7 @@ class AdaptiveController:
             return Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
                                          rate_steps=max(2, self._rate_window(step)), rate=rate,
                                          long_halflife_steps=self._long_halflife,
-                                         short_halflife_steps=self._short_halflife)
+                                         short_halflife_steps=self._short_halflife, until_step=step)
 
         workload = profile("long")
         if "accesses_max" in workload.shards:
@@ -949,7 +998,8 @@ class AdaptiveController:
         self._skipped_in_row = 0
         # the disk as it behaves lately (the samples of the rate window; a long run's whole
         # history would make every plan slower to fit than the last)
-        cost = CostModel.from_db(self.url, run_id, first_step=max(1, step - s.rate_window_periods * s.replan_every))
+        cost = CostModel.from_db(self.url, run_id, first_step=max(1, step - s.rate_window_periods * s.replan_every),
+                                 last_step=step)
         workload = self._fetch_overhead_known(workload, cost, step)
         overlap = engine.overlap
         # The buffers the engine really has (under the budget it switches off what does not

@@ -370,10 +370,11 @@ class CostModel:
 
     @classmethod
     def from_db(cls, url, run_id: int | None = None, *, calibration_path: str | None = None,
-                max_samples_per_group: int = MAX_SAMPLES_PER_GROUP, first_step: int | None = None) -> "CostModel":
+                max_samples_per_group: int = MAX_SAMPLES_PER_GROUP, first_step: int | None = None,
+                last_step: int | None = None) -> "CostModel":
         """Fit from a profile database: the I/O samples of ``run_id`` (default: the newest run, or
-        none when no run is recorded; from ``first_step`` on, when given) and the calibrations of
-        the run's swap disk.
+        none when no run is recorded; from ``first_step`` on and up to ``last_step``, when given)
+        and the calibrations of the run's swap disk.
 
         Calibrations are those whose ``path`` is ``calibration_path`` or, by default, the run's
         swap directory or a folder above it; when none match, every calibration row is used and
@@ -381,7 +382,7 @@ class CostModel:
         """
         if run_id is None:
             run_id = queries.latest_run_id(url)
-        samples = queries.io_samples(url, run_id, first_step=first_step) if run_id is not None else None
+        samples = queries.io_samples(url, run_id, first_step=first_step, last_step=last_step) if run_id is not None else None
         swap_dir = queries.run_info(url, run_id).get("swap_dir") if run_id is not None else None
         cal = queries.calibrations(url)
         cal = _calibrations_for(cal, calibration_path or swap_dir)

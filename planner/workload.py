@@ -274,7 +274,7 @@ class Workload:
     def from_profile(cls, url, run_id: int | None = None, *, last_steps: int = 20, rate: str = "long",
                      short_halflife_steps: float | None = None, long_halflife_steps: float | None = None,
                      unstable_threshold: float | None = None, measure_update_if_needed: bool = True,
-                     rate_steps: int | None = None) -> "Workload":
+                     rate_steps: int | None = None, until_step: int | None = None) -> "Workload":
         """Build the workload of ``run_id`` (default: the newest run) from a profile database.
 
         ``last_steps``: how many of the newest steps to use (the run's first step is never used)
@@ -285,6 +285,8 @@ class Workload:
         "long" (the long EWMA, default), "short" or "max" of the two; the halflives and threshold
         are those of :func:`planner.hotness.access_rates`. ``measure_update_if_needed``: time the
         optimizer update here when no shard of the run had both homes in DRAM (else raise).
+        ``until_step``: read the steps up to that one only (a plan made while training goes on
+        reads what there was when it was due).
         """
         from planner import hotness  # hotness imports this module's helpers
 
@@ -298,6 +300,10 @@ class Workload:
         if steps.empty:
             raise WorkloadError(f"run {run_id} has no recorded steps; train a few steps with the profiler on")
         steps = steps.sort_values("step")
+        if until_step is not None:
+            steps = steps[steps["step"] <= int(until_step)]
+            if steps.empty:
+                raise WorkloadError(f"run {run_id} has no recorded steps up to step {until_step}; train a few more steps")
         usable = steps[steps["step"] > steps["step"].min()] if len(steps) > 1 else steps
         used = usable.tail(int(last_steps))
         first, last = int(used["step"].min()), int(used["step"].max())

@@ -325,17 +325,20 @@ def shard_access_stats(src: Source, run_id: int, first_step: int | None = None, 
 
 
 # --------------------------------------------------------------------------------------- I/O
-def io_samples(src: Source, run_id: int, *, first_step: int | None = None) -> pd.DataFrame:
+def io_samples(src: Source, run_id: int, *, first_step: int | None = None, last_step: int | None = None) -> pd.DataFrame:
     """The recorded I/O samples (``step, shard, op, tier, what, bytes, seconds, GBps, o_direct,
     block_size, queue_depth, thread_count, concurrency``); subsampled beyond the recorder's per-step
     cap. ``concurrency``: mean requests in flight on the disk while the sample ran, itself included
     (NaN in profiles recorded before zinf measured it). ``first_step``: only samples of that step
-    and later (a planner refitting during a long run needs the recent ones)."""
+    and later (a planner refitting during a long run needs the recent ones); ``last_step``: of that
+    step and earlier (a plan made while training goes on reads what there was when it was due)."""
     io, sh = schema.io_samples, schema.shards
     cols = [c for c in io.c if c.name not in ("id", "run_id")]
     where = io.c.run_id == int(run_id)
     if first_step is not None:
         where = where & (io.c.step >= int(first_step))
+    if last_step is not None:
+        where = where & (io.c.step <= int(last_step))
     with _read(src) as conn:
         _check_run(conn, run_id, _shown(src))
         df = _frame(conn, sa.select(*cols, sh.c.name.label("shard"))

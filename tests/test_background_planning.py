@@ -15,7 +15,6 @@ import torch
 import zinf
 from zinf.placement import Move
 
-from planner import background
 from planner.background import PlanningProcess, PlanningProcessError, shared_process
 from planner.controller import AdaptiveController, ControllerSettings, EngineView, _plan_in_child
 from planner.policy import PolicySettings
@@ -54,14 +53,13 @@ def _raise(message: str) -> None:
     raise ValueError(message)
 
 
-def test_the_planning_process_runs_at_lower_priority_answers_and_reports_failures():
+def test_the_planning_process_runs_on_idle_cpu_answers_and_reports_failures():
     proc = PlanningProcess()
     try:
         child = proc.call(os.getpid)
         assert child != os.getpid() and proc.pid == child
-        if hasattr(os, "getpriority"):
-            assert os.getpriority(os.PRIO_PROCESS, child) >= os.getpriority(os.PRIO_PROCESS, 0) + background.NICE_INCREMENT \
-                or os.getpriority(os.PRIO_PROCESS, child) == 19  # nice is capped at 19
+        if hasattr(os, "sched_getscheduler"):  # Linux: it runs only on CPU time nothing else wants
+            assert os.sched_getscheduler(child) == os.SCHED_IDLE
         with pytest.raises(PlanningProcessError, match="ValueError: no plan today"):
             proc.call(_raise, "no plan today")
         assert proc.call(os.getpid) == child, "a failing request leaves the process running"
@@ -119,8 +117,11 @@ def test_a_plan_made_in_the_planning_process_is_the_plan_made_inline(tmp_path):
     assert [(m.shard, m.state, m.dst) for m in moves] == [(m.shard, m.state, m.dst) for m in moves_inline]
     recorded = [kw for name, _, kw in calls if name == "record_plan"]
     assert len(recorded) == len(inline.recorder.plans) == 1
-    for key in ("predicted_step_s", "predicted_gain_s", "adopted"):
-        assert recorded[0][key] == pytest.approx(inline.recorder.plans[0][key], rel=1e-9), key
+    # (with no shard wholly in DRAM yet, the profile read times one optimizer update itself: the
+    # two predictions differ by that measurement's noise)
+    assert recorded[0]["adopted"] == inline.recorder.plans[0]["adopted"]
+    for key in ("predicted_step_s", "predicted_gain_s"):
+        assert recorded[0][key] == pytest.approx(inline.recorder.plans[0][key], rel=0.05), key
     assert after["plans_made"] == inline.plans_made == 1 and after["_target"] == inline._target
     assert any("plan 1" in line for _, line in lines), lines
 
@@ -211,3 +212,39 @@ def test_a_plan_that_never_comes_is_given_up_at_the_lag_limit(tmp_path, caplog, 
     assert time.perf_counter() - t0 < 20, "the training thread did not wait for the 30 s plan"
     assert any("took over 0.5 s" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert shared_process().call(os.getpid) != first
+
+
+def test_a_planning_process_that_cannot_start_leaves_planning_to_the_training_thread(tmp_path, caplog, monkeypatch):
+    """Two planning processes dying in a row (here: a Python that is not one) and the controller
+    plans on the training thread for the rest of the run, saying so."""
+    import planner.controller as pc
+
+    broken = PlanningProcess(executable="/bin/false")
+    monkeypatch.setattr(pc, "shared_process", lambda: broken)
+    engine, data = _engine_with(AdaptiveController, tmp_path, plan_lag_steps=1,
+                                policy=PolicySettings(margin=0, min_gain_fraction=0))
+    with engine, caplog.at_level("WARNING"):
+        for step in range(16):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        engine.recorder.flush()
+        plans = queries.plans(engine.config.zinf.profiler.db, engine.recorder.run_id)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("failed after step" in m and "the planning process stopped" in m for m in messages) == 2, messages
+    assert any("plans are made on the training thread from now on" in m for m in messages), messages
+    assert len(plans) >= 1 and engine.controller.plans_made == len(plans), "the plans after that were made inline"
+
+
+def test_plans_are_made_elsewhere_by_default_only_with_cpus_to_spare(monkeypatch):
+    """Left out of the config, plan_lag_steps is 4 where the process may run on 4 or more CPUs
+    and 0 (between steps) on fewer: the planning process needs a CPU that training leaves."""
+    import planner.controller as pc
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings())
+    monkeypatch.setattr(pc.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert c.plan_lag_steps == 0
+    monkeypatch.setattr(pc.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert c.plan_lag_steps == pc.DEFAULT_PLAN_LAG_STEPS == 4
+    assert AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(plan_lag_steps=1)).plan_lag_steps == 1
+    assert zinf.load_config({"zinf": {"placement": {"plan_lag_steps": 2}}}).zinf.placement.plan_lag_steps == 2

@@ -612,11 +612,12 @@ class PlacementConfig(_Section):
     """Adaptive: homes whose value per byte is within this fraction of the plan's DRAM threshold
     stay where they are (hysteresis against ping-pong)."""
 
-    plan_lag_steps: int = Field(4, ge=0)
+    plan_lag_steps: int | None = Field(None, ge=0)
     """Adaptive: plans are made in a child process while training goes on; a plan due after step
     k is taken up at the first step end that finds it made, at the latest after step k + this
     (at most ``replan_every`` - 1; training waits for it there). 0: plan between steps on the
-    training thread, the step waiting for it."""
+    training thread, the step waiting for it. null (default): 4 where the process may use at
+    least 4 CPUs, else 0 (the planning process needs a CPU that training does not use)."""
 
     revert_fraction: float | None = Field(0.05, ge=0)
     """Adaptive: a plan whose placement, once landed, measures slower than the placement it
