@@ -66,7 +66,7 @@ import numpy as np
 import pandas as pd
 
 from zinf.errors import ZinfError
-from zinf.placement import DramNeed, Move
+from zinf.placement import DramNeed, Move, ShardPlacement
 from zinf.sizing import DramSizing, Overlap
 
 from planner.background import PlanningProcessError, shared_process, warm_up
@@ -367,8 +367,6 @@ class EngineView:
                    prefetch_wanted_bytes=engine.prefetch_wanted_bytes)
 
     def _places(self, placement) -> list:
-        from zinf.placement import ShardPlacement
-
         current = [ShardPlacement(self.placement[sh.name]["param"], self.placement[sh.name]["optim"])
                    for sh in self.sizing.shards]
         return self.sizing.places_of(placement, current)
