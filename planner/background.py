@@ -12,13 +12,17 @@ if it had waited (measured on the dense GPT at 20%: a planning-sized load every 
 ``__main__`` again, which re-runs a training script without a ``__name__`` guard). Requests go
 over the child's stdin as pickles of ``(function, args)``, answers come back over a pipe of
 their own as ``("ok", result)`` or ``("error", message)``. The child runs under Linux's
-``SCHED_IDLE`` policy (elsewhere: ``nice`` +10) and uses one thread for numeric libraries: it
+``SCHED_IDLE`` policy (elsewhere: ``nice`` +10; set by the parent as it starts, so that its
+imports, ~2 CPU seconds, are already low-priority) and uses one thread for numeric libraries: it
 takes only the CPU time training leaves. (On the MoE benchmark at 30%, a plan of 1-1.5 s made
 there at ``nice`` +10 still slowed the steps it overlapped by up to 2x; under ``SCHED_IDLE`` the
 median and mean step were below those of planning between steps.) At the lag limit the training
 thread waits, and the child then has the CPUs to itself. With fewer than 4 CPUs the controller
 plans between steps by default (``ControllerSettings.plan_lag_steps``): the child has no CPU of
-its own there, and at 20% it measured slower (docs/architecture.md).
+its own there, and at 20% it measured slower (docs/architecture.md). On a machine whose CPUs
+other work keeps busy, ``SCHED_IDLE`` gives the child nothing even then: the controller reads
+its CPU seconds (:meth:`PlanningProcess.cpu_seconds`) while it waits and makes the plan itself
+when the child gets none.
 It exits when the parent closes the pipe (the parent exiting, killed or not).
 """
 
@@ -35,7 +39,10 @@ from typing import Any, Callable
 __all__ = ["PlanningProcess", "PlanningProcessError", "shared_process", "warm_up"]
 
 NICE_INCREMENT = 10
-"""How much the child lowers its own CPU priority where ``SCHED_IDLE`` is not available."""
+"""How much the parent lowers the child's CPU priority where ``SCHED_IDLE`` is not available."""
+
+IN_PLANNING_PROCESS = False
+"""True in the planning process itself (set by its loop)."""
 
 
 class PlanningProcessError(RuntimeError):
@@ -48,13 +55,24 @@ class PlanningProcessError(RuntimeError):
 
 
 class PlanningProcess:
-    """One child Python process that runs picklable functions, one request at a time."""
+    """One child Python process that runs picklable functions, one request at a time.
 
-    def __init__(self, executable: str | None = None) -> None:
+    ``idle``: the child runs only on CPU time nothing else wants (``SCHED_IDLE``, else ``nice``
+    +10); False runs it at this process's priority (tests that check what it computes, not how
+    it is scheduled, on a machine other work may load)."""
+
+    def __init__(self, executable: str | None = None, idle: bool = True) -> None:
         self.executable = executable or sys.executable  # the Python the child runs
+        self.idle = idle
         self._proc: subprocess.Popen | None = None
         self._answers = None  # the read end of the child's answer pipe (a file)
         self._lock = threading.Lock()  # one request at a time, whichever thread asks
+        self._busy = False  # a request is with the child
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is with the child now (sent, not yet answered)."""
+        return self._busy
 
     @property
     def pid(self) -> int | None:
@@ -78,6 +96,8 @@ class PlanningProcess:
                 stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env, close_fds=True)
         finally:
             os.close(write_fd)
+        if self.idle:  # at once, so that its imports (~2 CPU seconds) already run on idle CPU only
+            _lower_priority(self._proc.pid)
         self._answers = os.fdopen(read_fd, "rb")
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -86,6 +106,7 @@ class PlanningProcess:
         :class:`PlanningProcessError` when the child dies or ``fn`` raised there."""
         with self._lock:
             self._start()
+            self._busy = True
             try:
                 pickle.dump((fn, args), self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
                 self._proc.stdin.flush()
@@ -95,14 +116,22 @@ class PlanningProcess:
                 self._stop()
                 raise PlanningProcessError(f"the planning process stopped (exit code {code}): {type(e).__name__}",
                                            died=True) from None
+            finally:
+                self._busy = False
         if status != "ok":
             raise PlanningProcessError(value)
         return value
 
     def stop(self) -> None:
-        """Close the child's pipe and wait for it to exit (killed after 5 s). Idempotent."""
-        with self._lock:
+        """Close the child's pipe and wait for it to exit (killed after 5 s); a request still
+        with it (another thread waiting for its answer) is ended by killing it. Idempotent."""
+        if not self._lock.acquire(timeout=1.0):
+            self.kill()  # that thread's call raises PlanningProcessError and lets go of the lock
+            self._lock.acquire()
+        try:
             self._stop()
+        finally:
+            self._lock.release()
 
     def _stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -117,6 +146,20 @@ class PlanningProcess:
         if self._answers is not None:
             self._answers.close()
             self._answers = None
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds the child has run so far (user + system; Linux's ``/proc``), None where
+        that cannot be read (no child, another platform)."""
+        pid = self.pid
+        if pid is None:
+            return None
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                # fields after the parenthesised command name: utime and stime are the 12th and 13th
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
 
     def kill(self) -> None:
         """Kill the child at once (a request that never answers); the next call starts another."""
@@ -148,15 +191,22 @@ def shared_process() -> PlanningProcess:
         return _shared
 
 
-def _serve(answer_fd: int) -> None:
-    """The child's loop: answer requests from stdin until it closes."""
-    try:  # Linux: run only when a CPU would otherwise idle
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+def _lower_priority(pid: int) -> None:
+    """Have process ``pid`` run only when a CPU would otherwise idle (Linux's ``SCHED_IDLE``),
+    else at ``nice`` +NICE_INCREMENT; neither needs privileges."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         try:
-            os.nice(NICE_INCREMENT)
+            os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + NICE_INCREMENT)
         except (AttributeError, OSError):  # not on this platform: run at the parent's priority
             pass
+
+
+def _serve(answer_fd: int) -> None:
+    """The child's loop: answer requests from stdin until it closes."""
+    global IN_PLANNING_PROCESS
+    IN_PLANNING_PROCESS = True
     requests = sys.stdin.buffer
     answers = os.fdopen(answer_fd, "wb")
     while True:
@@ -177,4 +227,7 @@ def _serve(answer_fd: int) -> None:
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    # the loop of the module imported by name, not of this __main__ copy: requests read its globals
+    from planner import background
+
+    background._serve(int(sys.argv[1]))

@@ -76,7 +76,7 @@ from planner.hotness import ewma_difference_steps, ewma_effective_steps
 from planner.policy import Decision, PlacementPolicy, PolicySettings, diff_moves
 from planner.simulator import Simulator, calibrate
 from planner.solver import Plan, PlanError, homes_of, solve
-from planner.workload import Workload
+from planner.workload import Workload, measure_update
 
 log = logging.getLogger("zinf.planner")
 
@@ -201,13 +201,14 @@ class ControllerSettings:
     plan_lag_steps: int | None = None
     """Plans are made in a child process while training goes on (:mod:`planner.background`): a
     plan due after step k is taken up at the first step boundary that finds it made, and at the
-    latest after step k + this, at most ``replan_every`` - 1 (training waits for it there). The
+    latest after step k + this, at most ``replan_every`` - 1 (training waits for it there, and
+    makes the plan itself if the planning process gets no CPU: other work keeps them busy). The
     steps that run meanwhile train as any other but are not measured for the planner (the child
     shares the CPUs), as the seconds a plan took between steps were not. 0:
     plan on the training thread, the step waiting for it, and the moves start right after the
     step the plan was due (what a controller subclass the child cannot import needs). After
-    ``PROCESS_DEATHS_INLINE`` planning processes in a row died (one that cannot start, say),
-    plans are made on the training thread for the rest of the run. None (default): 4 where this
+    ``PROCESS_FAILURES_INLINE`` plans in a row the planning process did not make (it died, or
+    got no CPU), plans are made on the training thread for the rest of the run. None (default): 4 where this
     process may run on at least ``BACKGROUND_MIN_CPUS`` CPUs, else 0 - the planning process needs
     a CPU the training does not: on the 2-core VM, where it has none, planning there measured no
     faster than between steps (see :mod:`planner.background`)."""
@@ -232,13 +233,23 @@ def default_plan_lag_steps() -> int:
     return DEFAULT_PLAN_LAG_STEPS if cpus >= BACKGROUND_MIN_CPUS else 0
 
 
-PROCESS_DEATHS_INLINE = 2
-"""Planning processes dying in a row (not a plan that raised there) after which the controller
-plans on the training thread instead."""
+PROCESS_FAILURES_INLINE = 2
+"""Plans in a row the planning process did not make (it died, or got no CPU; not a plan that
+raised there) after which the controller plans on the training thread instead."""
 
 PLAN_TIMEOUT_S = 600.0
-"""Seconds the training thread waits, at the lag limit, for the planning process to answer
-before it kills it and goes on without that plan (the next plan starts another process)."""
+"""Seconds the training thread waits, at the lag limit, for a planning process that runs but
+does not answer before it kills it and goes on without that plan (the next plan starts another
+process)."""
+
+STARVED_CHECK_S = 0.5
+"""While the training thread waits for a plan at the lag limit, how often (seconds) it checks
+that the planning process gets CPU."""
+
+STARVED_CPU_FRACTION = 0.1
+"""Below this share of one CPU over a check, the planning process counts as starved (other work
+keeps the CPUs busy and ``SCHED_IDLE`` leaves it nothing): the training thread makes the plan
+itself rather than wait for minutes. 0: never starved."""
 
 PLAN_RESIMULATE_HOMES = 128
 """Above this many movable homes the controller's greedy takes the solver's fast path."""
@@ -384,9 +395,12 @@ class EngineView:
 class _Job:
     """A plan being made in the planning process: due after step ``step``."""
 
-    future: Future
     step: int
+    drifted: bool
+    before_s: float | None
     started_s: float  # time.perf_counter() when it was handed over
+    future: Future | None = None
+    abandoned: bool = False  # the training thread gave up on it: not to be sent any more
 
 
 class _RecorderCalls:
@@ -513,9 +527,12 @@ class AdaptiveController:
         self._rates_from_step = 0
         # (seconds, step) of the newest fetch overhead a profile read measured (see _fetch_overhead_known)
         self._fetch_overhead: tuple[float, int] | None = None
+        # (s per element, s per update) of the optimizer update, timed once on the training
+        # process (_time_update_once) for the plans made while no shard has both homes in DRAM
+        self._update_timing: tuple[float, float] | None = None
         self._job: _Job | None = None  # the plan being made in the planning process
         self._planner_started = False  # the planning process was asked to import the planner
-        self._process_deaths = 0  # planning processes that died in a row
+        self._process_failures = 0  # plans in a row the planning process did not make (died, starved)
         self._planned_through = 0  # the last step that ran while the planning process made a plan
         # plans made in the planning process: (step it was due after, step it was taken up after,
         # seconds from handing it over to taking it up)
@@ -845,13 +862,22 @@ class AdaptiveController:
         recent = list(self._recent_s)[-self._verify_steps:]
         before_s = statistics.median(recent) if len(recent) >= s.drift_steps else None
         self._recent_s.clear()  # drift is judged on steps after this plan
-        if self.plan_lag_steps > 0 and self._process_deaths < PROCESS_DEATHS_INLINE and self._can_plan_elsewhere():
+        self._time_update_once(engine)
+        if self.plan_lag_steps > 0 and self._process_failures < PROCESS_FAILURES_INLINE and self._can_plan_elsewhere():
             self._hand_over(engine, step, drifted, before_s)
             return None
         moves = self._plan_or_skip(engine, step, drifted, before_s)
         if moves:
             engine.plan_version += 1
         return moves
+
+    def _time_update_once(self, engine) -> None:
+        """Time the optimizer update here, once a run (a few ms): a plan made while no shard has
+        both homes in DRAM cannot read it from the profile, and a planning process timing it
+        would time it on whatever CPU training leaves it (and each plan differ by a new timing's
+        noise)."""
+        if self._update_timing is None:
+            self._update_timing = measure_update(engine.config.optimizer)
 
     # ------------------------------------------------------------------ planning elsewhere
     def __getstate__(self) -> dict:
@@ -889,36 +915,57 @@ class AdaptiveController:
         view = EngineView.of(engine)
         state, cls, recorder = self.__getstate__(), type(self), self.recorder
 
-        def make() -> tuple:
+        job = _Job(step, drifted, before_s, time.perf_counter())
+
+        def make() -> tuple | None:
             if recorder is not None:
                 recorder.flush()
+            if job.abandoned:  # (queued behind a request the training thread gave up on)
+                return None
             run_id = recorder.run_id if recorder is not None else None
             return shared_process().call(_plan_in_child, cls, state, view, step, drifted, before_s, run_id)
 
-        self._job = _Job(_helper_thread().submit(make), step, time.perf_counter())
+        job.future = _helper_thread().submit(make)
+        self._job = job
 
     def _take_up(self, engine, step: int) -> list[Move] | None:
         """The plan in flight, once made (at the latest ``plan_lag_steps`` steps after it was due,
         waiting for it there): its state replaces this controller's (but for the steps measured
-        meanwhile), its recorder calls and log lines are made here, and its moves returned."""
+        meanwhile), its recorder calls and log lines are made here, and its moves returned. A
+        planning process that gets no CPU while the training thread waits is killed and the plan
+        made here instead."""
         job = self._job
         if not job.future.done() and step - job.step < self._lag_limit:
             return None
         self._job = None
-        try:
-            moves, state, calls, lines = job.future.result(timeout=PLAN_TIMEOUT_S)
-        except FutureTimeout:
+        waited = self._wait_for(job)
+        if waited != "done":
+            job.abandoned = True
+            job.future.cancel()  # (if still queued behind another request)
             shared_process().kill()
+        if waited == "timeout":
             raise PlanningProcessError(
                 f"the plan due after step {job.step} took over {PLAN_TIMEOUT_S:g} s in the planning process; "
                 "it was killed and the next plan starts another") from None
+        if waited == "starved":
+            self._failed_elsewhere(f"the planning process got no CPU for the plan due after step {job.step} "
+                                   "(other work keeps the CPUs busy)")
+            log.warning("zinf planner: the planning process got no CPU for the plan due after step %d (other work "
+                        "keeps the CPUs busy); made on the training thread after step %d", job.step, step)
+            self._planned_through = step
+            moves = self._plan_or_skip(engine, job.step, job.drifted, job.before_s)
+            if moves:
+                engine.plan_version += 1
+            return moves
+        try:
+            moves, state, calls, lines = job.future.result()
         except PlanningProcessError as e:
-            self._process_deaths = self._process_deaths + 1 if e.died else 0
-            if self._process_deaths >= PROCESS_DEATHS_INLINE:
-                log.warning("zinf planner: the planning process died %d times in a row (%s); plans are made on "
-                            "the training thread from now on", self._process_deaths, e)
+            if e.died:
+                self._failed_elsewhere(str(e))
+            else:
+                self._process_failures = 0
             raise
-        self._process_deaths = 0
+        self._process_failures = 0
         kept = {k: self.__dict__[k] for k in self._MEASURED_HERE}
         recorder = self.recorder
         self.__dict__.update(state)
@@ -935,6 +982,37 @@ class AdaptiveController:
         if moves:
             engine.plan_version += 1
         return moves
+
+    def _wait_for(self, job: _Job) -> str:
+        """Wait for the plan in flight: "done" (made, or failed), "starved" (the planning process
+        had a request - this plan or the imports before it - and got under STARVED_CPU_FRACTION
+        of a CPU over STARVED_CHECK_S) or "timeout" (not made after PLAN_TIMEOUT_S)."""
+        deadline = time.perf_counter() + PLAN_TIMEOUT_S
+        proc = shared_process()
+        while True:
+            cpu0, t0 = proc.cpu_seconds(), time.perf_counter()
+            busy = proc.busy
+            try:
+                job.future.result(timeout=STARVED_CHECK_S)
+                return "done"
+            except FutureTimeout:
+                pass
+            except Exception:  # the plan failed there: the caller raises it
+                return "done"
+            cpu1 = proc.cpu_seconds()
+            if (busy and proc.busy and cpu0 is not None and cpu1 is not None and cpu1 >= cpu0
+                    and cpu1 - cpu0 < STARVED_CPU_FRACTION * (time.perf_counter() - t0)):
+                return "starved"
+            if time.perf_counter() > deadline:
+                return "timeout"
+
+    def _failed_elsewhere(self, why: str) -> None:
+        """Count a plan the planning process did not make; after PROCESS_FAILURES_INLINE in a
+        row, plans are made on the training thread for the rest of the run."""
+        self._process_failures += 1
+        if self._process_failures == PROCESS_FAILURES_INLINE:
+            log.warning("zinf planner: %d plans in a row were not made in the planning process (last: %s); plans are "
+                        "made on the training thread from now on", self._process_failures, why)
 
     # ------------------------------------------------------------------ planning
     def _plan_or_skip(self, engine, step: int, drifted: bool, before_s: float | None) -> list[Move] | None:
@@ -974,7 +1052,8 @@ class AdaptiveController:
             return Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
                                          rate_steps=max(2, self._rate_window(step)), rate=rate,
                                          long_halflife_steps=self._long_halflife,
-                                         short_halflife_steps=self._short_halflife, until_step=step)
+                                         short_halflife_steps=self._short_halflife, until_step=step,
+                                         measured_update=self._update_timing)
 
         workload = profile("long")
         if "accesses_max" in workload.shards:

@@ -274,7 +274,8 @@ class Workload:
     def from_profile(cls, url, run_id: int | None = None, *, last_steps: int = 20, rate: str = "long",
                      short_halflife_steps: float | None = None, long_halflife_steps: float | None = None,
                      unstable_threshold: float | None = None, measure_update_if_needed: bool = True,
-                     rate_steps: int | None = None, until_step: int | None = None) -> "Workload":
+                     rate_steps: int | None = None, until_step: int | None = None,
+                     measured_update: tuple[float, float] | None = None) -> "Workload":
         """Build the workload of ``run_id`` (default: the newest run) from a profile database.
 
         ``last_steps``: how many of the newest steps to use (the run's first step is never used)
@@ -284,7 +285,11 @@ class Workload:
         ``rate``: which smoothed access rate goes into the ``*_accesses_per_step`` columns,
         "long" (the long EWMA, default), "short" or "max" of the two; the halflives and threshold
         are those of :func:`planner.hotness.access_rates`. ``measure_update_if_needed``: time the
-        optimizer update here when no shard of the run had both homes in DRAM (else raise).
+        optimizer update here when no shard of the run had both homes in DRAM (else raise);
+        ``measured_update``: ``(seconds per element, seconds per update)`` as
+        :func:`measure_update` gave them earlier, used instead of timing it again (a planner
+        times it once, on the training process, so that its plans do not differ by the noise of
+        a new timing, nor by the CPU a planning process gets).
         ``until_step``: read the steps up to that one only (a plan made while training goes on
         reads what there was when it was due).
         """
@@ -381,7 +386,7 @@ class Workload:
         source: dict[str, Any] = {"url": str(url), "run_id": int(run_id), "steps": [first, last], "n_steps": int(len(used)),
                                   "rate": rate, "compute_split": "same stall fraction in forward and backward"}
 
-        update_s_per_elem, update_overhead_s, how = _update_cost(stats, cfg, measure_update_if_needed)
+        update_s_per_elem, update_overhead_s, how = _update_cost(stats, cfg, measure_update_if_needed, measured_update)
         source["update"] = how
         eager = bool(cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0)
         fetch_overhead_s, fetch_measured, how = _fetch_overhead(stats, df.set_index("shard"), micro, eager)
@@ -562,8 +567,10 @@ def measure_update(optimizer_config=None, *, numel: int = 1 << 18, repeats: int 
     return max(0.0, (big - small) / (numel - 1024)), small
 
 
-def _update_cost(stats: pd.DataFrame, cfg, measure: bool) -> tuple[float, float, str]:
-    """(s per element, s per update, how) from the shards with both homes in DRAM, else measured."""
+def _update_cost(stats: pd.DataFrame, cfg, measure: bool,
+                 measured: tuple[float, float] | None = None) -> tuple[float, float, str]:
+    """(s per element, s per update, how) from the shards with both homes in DRAM, else
+    ``measured``, else measured here."""
     from planner.costmodel import fit_latency_bandwidth
 
     dram = ("cpu", "gpu")
@@ -579,6 +586,9 @@ def _update_cost(stats: pd.DataFrame, cfg, measure: bool) -> tuple[float, float,
     if len(rows) >= 1:
         s = float(rows["optimizer_s"].sum() / (rows["numel"] * rows["optimizer_accesses"]).sum())
         return s, 0.0, f"ratio over {len(rows)} shard(s) with both homes in DRAM"
+    if measured is not None:
+        return float(measured[0]), float(measured[1]), \
+            "measured before (zinf.optim on 256 Ki elements): no shard had both homes in DRAM"
     if not measure:
         raise WorkloadError("no shard had both homes in DRAM, so the profile cannot tell update seconds from I/O waits; "
                             "pass measure_update_if_needed=True or give update_s_per_elem")

@@ -21,6 +21,7 @@ from zinf.models import build_model
 from zinf.models.data import TokenBatches, markov_tokens
 
 from conftest import placement_config
+from test_equivalence import train_steps
 
 OPT = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}
 
@@ -31,26 +32,15 @@ def _model_and_data():
     return model, TokenBatches(markov_tokens(cfg.vocab_size, 20_000, seed=5), 4, cfg.block_size, seed=5)
 
 
-def _train(engine, data, first, n):
-    losses = []
-    for i in range(first, first + n):
-        x, y = data.get(i)
-        loss = engine(x, y)
-        losses.append(loss.item())
-        engine.backward(loss)
-        engine.step()
-    return losses
-
-
 @pytest.mark.parametrize("placement", ["dram", "nvme", "pins"])
 def test_resume_is_bit_identical(placement, tmp_path):
     cfg = dict(placement_config(placement, tmp_path), optimizer=OPT, gradient_clipping=1.0)
     model, data = _model_and_data()
     fresh_model, _ = _model_and_data()  # same init; its weights are overwritten by the load anyway
     with zinf.initialize(model, cfg) as straight:
-        _train(straight, data, 0, 10)
+        train_steps(straight, data, 10)
         straight.save_checkpoint(tmp_path / "ckpt")
-        expected_losses = _train(straight, data, 10, 10)
+        expected_losses = train_steps(straight, data, 10, first=10)
         expected = straight.state_dict()
 
     # a second engine, another placement even, resumes from the checkpoint
@@ -58,7 +48,7 @@ def test_resume_is_bit_identical(placement, tmp_path):
     with zinf.initialize(fresh_model, cfg2) as resumed:
         resumed.load_checkpoint(tmp_path / "ckpt")
         assert resumed.global_steps == 10
-        losses = _train(resumed, data, 10, 10)
+        losses = train_steps(resumed, data, 10, first=10)
         got = resumed.state_dict()
     assert losses == expected_losses
     for name in expected:
@@ -68,7 +58,7 @@ def test_resume_is_bit_identical(placement, tmp_path):
 def test_checkpoint_layout_and_bad_loads(tmp_path):
     model, data = _model_and_data()
     with zinf.initialize(model, dict(placement_config("nvme", tmp_path), optimizer=OPT)) as engine:
-        _train(engine, data, 0, 2)
+        train_steps(engine, data, 2)
         folder = engine.save_checkpoint(tmp_path / "ckpt")
         assert (tmp_path / "ckpt" / "latest").read_text() == folder.name
         index = json.loads((folder / "index.json").read_text())

@@ -19,7 +19,7 @@ from zinf.models.moe import set_routing
 
 from profiler import queries
 
-from test_equivalence import OPT, train_plain
+from test_equivalence import OPT, train_plain, train_steps
 
 MiB = 1 << 20
 REPLAN = 4
@@ -56,17 +56,11 @@ def test_adaptive_run_plans_migrates_hot_experts_and_matches_pytorch(tmp_path):
     ref_losses, ref_params = train_plain(ref_model, data, 1, 0.0, steps)
 
     url = f"sqlite:///{tmp_path}/profile.db"
-    losses = []
     with zinf.initialize(model, adaptive_config(tmp_path, 8 * MiB)) as engine:
         controller = engine.controller
         assert controller is not None and engine.recorder.enabled, "adaptive turns the profiler on itself"
         assert (controller.settings.replan_every, controller.policy.settings.margin) == (REPLAN, 0)
-        for step in range(steps):
-            x, y = data.get(step)
-            loss = engine(x, y)
-            losses.append(loss.item())
-            engine.backward(loss)
-            engine.step()
+        losses = train_steps(engine, data, steps)
         params = engine.state_dict()
         placement = engine.placement
         engine.recorder.flush()

@@ -76,6 +76,19 @@ def train_plain(model, data, gas, clip, steps=None):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+def train_steps(engine, data, steps, first=0):
+    """``steps`` optimizer steps of ``engine``, one micro-batch each (``data.get(first)``,
+    ``data.get(first + 1)``, ...): the loss of every step."""
+    losses = []
+    for i in range(first, first + steps):
+        x, y = data.get(i)
+        loss = engine(x, y)
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+    return losses
+
+
 def train_zinf(model, data, gas, clip, config, steps=STEPS, collect=None):
     """zinf (the config plus OPT, ``gas`` and ``clip``) on the same micro-batches as
     :func:`train_plain`: the loss of every micro-batch, then ``collect(engine)`` before the engine

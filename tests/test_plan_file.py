@@ -19,7 +19,7 @@ from zinf.models import build_model
 from conftest import gpt_batches
 from planner.whatif import WhatIf
 from profiler import queries
-from test_equivalence import train_plain
+from test_equivalence import train_plain, train_steps
 from test_export import one_error_line
 from test_whatif import BATCH, PIN, one_line, profiled_run, tiny_gpt_config
 
@@ -68,15 +68,9 @@ def test_a_run_started_from_the_plan_has_its_placement_and_trains_like_pytorch(p
     ref_model, _ = gpt()
     data = gpt_batches(cfg, batch_size=BATCH)
     ref_losses, ref_params = train_plain(ref_model, data, 1, 0.0, STEPS)
-    losses = []
     with zinf.initialize(model, engine_config(tmp_path, out, doc["dram_budget_bytes"])) as engine:
         assert engine.placement == doc["placement"]
-        for step in range(STEPS):
-            x, y = data.get(step)
-            loss = engine(x, y)
-            losses.append(loss.item())
-            engine.backward(loss)
-            engine.step()
+        losses = train_steps(engine, data, STEPS)
         assert engine.placement == doc["placement"]  # a static run keeps it
         params = engine.state_dict()
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
