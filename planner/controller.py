@@ -704,10 +704,15 @@ class AdaptiveController:
         them for ``rates`` None. A reaction is planned from the few steps since a routing change
         (the short EWMA): what it missed by is mostly what those steps got wrong about the new
         accesses, not what the model gets wrong - the MoE at 30%: a reaction 26-49% off gated
-        the refinements after it (12-33 ms promised) and its step never recovered."""
+        the refinements after it (12-33 ms promised) and its step never recovered. Nor do the
+        plans made before the last shift of the accesses count (:attr:`_rates_from_step`): the
+        long EWMA lags a routing change by tens of steps, so that for a while the new accesses
+        still look like the old ones, whose plans' realised gains then scaled the first reaction
+        (the MoE at 20%: x0.40, below the gate, and no plan for 3 periods)."""
+        since = [v for v in self.verified if v.get("step", 0) >= self._rates_from_step]
         if rates is None:
-            return self.verified
-        return [v for v in self.verified if not v.get("reaction") and
+            return since
+        return [v for v in since if not v.get("reaction") and
                 (v.get("rates") is None or not self._accesses_changed(rates, v["rates"], v.get("step")))]
 
     @property

@@ -46,7 +46,10 @@ after each micro-batch (asynchronously) and read back, synchronously, before the
 it. With ``updates_during_backward`` (``zinf.overlap_optimizer`` and no clipping) the last pass
 updates NVMe groups on a worker thread while backward goes on: the group read is asked for at the
 module's backward, the update queued when its gradient is final (the main thread waits when two
-are queued), its write-back issued from the worker; chunks are queued when backward ends. On a CPU
+are queued), its write-back issued from the worker; chunks are queued when backward ends. With
+``dram_updates_during_backward`` (CUDA) the shards whose optimizer home is in DRAM are queued on
+the same worker when their gradient is final, with nothing to read and no cap (the main thread
+waits for them only at the optimizer phase). On a CPU
 device the worker's compute takes cores from the training thread: ``cpu_contention`` (1 there,
 0 with a GPU) is the fraction of each such update charged to the main thread too. The
 optimizer phase then waits for the worker and updates the rest in order on the main thread; for
@@ -87,6 +90,8 @@ __all__ = ["Prediction", "simulate", "calibrate", "Simulator"]
 # tier codes used inside the simulation
 P_RESIDENT, P_COPY, P_NVME = 0, 1, 2
 O_NONE, O_DRAM, O_NVME = 0, 1, 2
+# how a backward visit's shard is updated during backward (0: in the optimizer phase)
+EAGER_NVME, EAGER_DRAM = 1, 2
 
 
 @dataclass
@@ -148,7 +153,7 @@ class _Trace:
     it, and the optimizer phase's updates."""
 
     pc: list[int] | None
-    """Param tier codes (with updates during backward only)."""
+    """Param tier codes (with updates during backward only: NVMe groups', or DRAM homes' on CUDA)."""
     window: int
     """The prefetch window (bytes; 0 when the largest NVMe param does not fit)."""
     write_window: int
@@ -167,10 +172,12 @@ class _Trace:
     """The prefetcher's actions (:meth:`Simulator._prefetch`)."""
     forward: tuple[list, ...]
     """Columns of the forward records: shard, entry (-1: none), compute, read weight, fixed wait,
-    gradient bytes to NVMe (-1: none), eager."""
+    gradient bytes to NVMe (-1: none), how it is updated during backward (0, EAGER_NVME, EAGER_DRAM)."""
     backward: tuple[list, ...]
     eager_chunks: list[int]
     """NVMe chunk groups updated when backward ends (eager)."""
+    dram_eager_chunks: list[int]
+    """Chunks with a DRAM optimizer home updated when backward ends (CUDA)."""
     todo: tuple[list, ...]
     """Columns of the optimizer phase's updates: shard, NVMe group, param file rewritten."""
     todo_nvme: list[int]
@@ -295,10 +302,11 @@ class Simulator:
         tr = _Trace()
         pc, oc = np.asarray(pc), np.asarray(oc)
         eager = self.workload.updates_during_backward
-        tr.pc = pc.tolist() if eager else None  # (for the updates run during backward)
+        dram_eager = self.workload.dram_updates_during_backward
+        tr.pc = pc.tolist() if eager or dram_eager else None  # (for the updates run during backward)
         P, chunk, uo = self._P, self._chunk, self._uo
         fwd, bwd, f_w, b_w = self.fwd_order, self.bwd_order, self.f_w, self.b_w
-        p_nvme, o_nvme = pc == P_NVME, oc == O_NVME
+        p_nvme, o_nvme, o_dram = pc == P_NVME, oc == O_NVME, oc == O_DRAM
         io = self.io
         # prefetch window: 0 when the largest NVMe param would not fit (as the engine sizes it)
         tr.window = self.prefetch_bytes
@@ -338,20 +346,24 @@ class Simulator:
         fetch_over, copy_spb = self.workload.fetch_overhead_s, self.copy_s_per_byte
         f_fixed = np.where(f_in | (pc[fwd] == P_COPY), f_w * (fetch_over + P[fwd] * copy_spb), 0.0)
         b_fixed = np.where(b_in | ((pc[bwd] == P_COPY) & ~chunk[bwd]), b_w * (fetch_over + P[bwd] * copy_spb), 0.0)
-        # a backward visit's gradient to an NVMe group: its bytes (-1: none), and whether the group
-        # is updated during backward when eager (its read asked for at the pre-hook)
+        # a backward visit's gradient to an NVMe group: its bytes (-1: none), and how the shard is
+        # updated during backward: EAGER_NVME (when eager: its group read asked for at the
+        # pre-hook, the update queued when the gradient is final), EAGER_DRAM (a DRAM optimizer
+        # home with CUDA: queued when final, nothing to read) or 0 (in the optimizer phase)
         b_grad = np.where(self._trainable[bwd] & o_nvme[bwd], self._G[bwd] * b_w, -1.0)
-        b_eager = o_nvme[bwd] & ~chunk[bwd] & (uo[bwd] > 0)
+        one_param = ~chunk[bwd] & (uo[bwd] > 0)
+        b_eager = np.where(o_nvme[bwd] & one_param, EAGER_NVME, np.where(o_dram[bwd] & one_param & dram_eager, EAGER_DRAM, 0))
         fs, fc, fw, no_grad, no_eager = self._forward
         bs, bc, bw = self._backward
         tr.forward = (fs, f_entry.tolist(), fc, fw, f_fixed.tolist(), no_grad, no_eager)
         tr.backward = (bs, b_entry.tolist(), bc, bw, b_fixed.tolist(), b_grad.tolist(), b_eager.tolist())
         tr.eager_chunks = np.flatnonzero(chunk & o_nvme & (uo > 0)).tolist()
+        tr.dram_eager_chunks = np.flatnonzero(chunk & o_dram & (uo > 0)).tolist() if dram_eager else []
         # the optimizer phase: the updates not run during backward, in shard order; an NVMe group
         # writes its master and moments back, an NVMe param file is rewritten (unless it is the
         # master file of an NVMe group)
         master_file = self.workload.param_file_is_master
-        todo = np.flatnonzero((uo > 0) & (oc != O_NONE) & ~(o_nvme & eager))
+        todo = np.flatnonzero((uo > 0) & (oc != O_NONE) & ~(o_nvme & eager) & ~(o_dram & dram_eager))
         group = o_nvme[todo]
         tr.todo = (todo.tolist(), group.tolist(), (p_nvme[todo] & ~(group & master_file)).tolist())
         tr.todo_nvme = todo[group].tolist()
@@ -566,6 +578,7 @@ class Simulator:
         # updates during backward: a worker thread and the main thread's queue of two
         worker_free = 0.0
         queued: list[float] = []  # completion times of updates submitted, oldest first
+        dram_done = 0.0  # when the last DRAM-home update submitted during backward ends
         group_done: dict[int, float] = {}  # NVMe group reads in flight -> landing time
 
         def submit_update(t: float, i: int) -> float:
@@ -583,6 +596,17 @@ class Simulator:
                 tw = write(tw, p_bytes[i], p_reqs[i])
             worker_free = tw
             queued.append(tw)
+            return t
+
+        def submit_dram_update(t: float, i: int) -> float:
+            """A DRAM optimizer home's update on the worker (CUDA): nothing read, the main
+            thread never waits for it until the optimizer phase; an NVMe param file is rewritten."""
+            nonlocal worker_free, dram_done
+            end = max(worker_free, t) + update_seconds[i]
+            t += worker_s[i]
+            if pc[i] == P_NVME:
+                end = write(end, p_bytes[i], p_reqs[i])
+            worker_free = dram_done = end
             return t
 
         # -- the passes: first / middle / middle (x k-3) / last
@@ -622,7 +646,7 @@ class Simulator:
                         if per_shard:
                             stall_of[i] += fixed * repeat
                     # ---- eager mode: the group read is asked for at the module's backward pre-hook
-                    if eag and last and eager:
+                    if eag == EAGER_NVME and last and eager:
                         group_done[i] = read(t, g_bytes[i], g_reqs[i])
                     # ---- compute
                     t += c
@@ -636,15 +660,20 @@ class Simulator:
                             if per_shard:
                                 stall_of[i] += wait * repeat
                         if last and eager:
-                            if eag:
+                            if eag == EAGER_NVME:
                                 t = submit_update(t, i)
                         else:
                             t = write(t, gb, w)  # spilled behind backward (waits only for window room)
+                    elif eag == EAGER_DRAM and last:
+                        t = submit_dram_update(t, i)
             # end of backward: chunks are updated now (eager), reads left in flight are dropped
             if last and eager:
                 for i in tr.eager_chunks:
                     group_done[i] = read(t, g_bytes[i], g_reqs[i])
                     t = submit_update(t, i)
+            if last:
+                for i in tr.dram_eager_chunks:
+                    t = submit_dram_update(t, i)
             for b in tr.dropped:
                 wasted += b
             f_s, b_s = t_bwd_start - t_pass, t - t_bwd_start
@@ -661,7 +690,7 @@ class Simulator:
 
         # -- the optimizer phase
         t_opt = t
-        for d in queued:  # updates queued during backward
+        for d in queued + [dram_done]:  # updates queued during backward
             if d > t:
                 t = d
         queued.clear()

@@ -138,6 +138,10 @@ class Workload:
     (``pipeline_write``); 0: writes are synchronous."""
     updates_during_backward: bool = False
     """NVMe groups are updated during backward (``zinf.overlap_optimizer`` with clipping off)."""
+    dram_updates_during_backward: bool = False
+    """Shards whose optimizer home is in DRAM are updated on the optimizer worker during the last
+    backward (the engine does so with CUDA, ``zinf.overlap_optimizer``, clipping off and no fp16:
+    the CPU is free while the GPU computes); needs no overlap buffer, so a budget never turns it off."""
     param_file_is_master: bool = False
     """fp32 params with both homes on NVMe in one store share the master file (no param rewrite)."""
     aliases_master: bool = False
@@ -388,7 +392,8 @@ class Workload:
 
         update_s_per_elem, update_overhead_s, how = _update_cost(stats, cfg, measure_update_if_needed, measured_update)
         source["update"] = how
-        eager = bool(cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0)
+        # (fp16: an update may run only once no gradient of the step overflowed, so none during backward)
+        eager = bool(cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0 and not cfg.fp16.enabled)
         fetch_overhead_s, fetch_measured, how = _fetch_overhead(stats, df.set_index("shard"), micro, eager)
         source["fetch_overhead"] = how
         copy_Bps = math.inf
@@ -415,6 +420,7 @@ class Workload:
             pipeline_read=bool(off_opt.pipeline_read),
             write_window_bytes=None if off_opt.pipeline_write else 0,
             updates_during_backward=eager,
+            dram_updates_during_backward=eager and device == "cuda",
             param_file_is_master=fp32 and same_store,
             aliases_master=fp32 and device == "cpu",
             device=device,

@@ -417,6 +417,17 @@ def test_realised_gains_under_other_accesses_are_not_used():
     assert c.gain_realised_for(pd.Series({"a": 3.8, "b": 0.1})) == 0.0  # 7.5% changed: the same accesses
     assert c.gain_realised_for(pd.Series({"a": 0.0, "b": 4.0})) is None  # a new hot set: no evidence
     assert c.gain_realised_for(None) == 0.0
+    # Once the accesses have shifted (a routing change seen at a plan after step 30), the plans
+    # before it no longer count, even for long-EWMA rates that still look like theirs (the long
+    # EWMA lags the change by tens of steps): neither their realised gains nor their errors
+    c.verified.append({"step": 24, "predicted_s": 0.5, "measured_s": 1.0, "before_s": 1.0, "model_gain_s": 0.5,
+                       "rates": old})
+    assert c.model_error_for(old) == pytest.approx(0.35)  # median of 20% and 50%
+    c._rates_from_step = 30
+    assert c.gain_realised_for(old) is None and c.model_error_for(old) is None and c.gain_realised_for(None) is None
+    c.verified.append({"step": 32, "predicted_s": 0.7, "measured_s": 0.8, "before_s": 1.0, "model_gain_s": 0.3,
+                       "rates": old})  # a plan made after the shift counts again
+    assert c.gain_realised_for(old) == pytest.approx(0.2 / 0.3) and c.model_error_for(old) == pytest.approx(0.125)
 
 
 def test_a_landed_plan_is_reverted_when_slower_or_when_a_clear_promise_bought_nothing():

@@ -216,6 +216,27 @@ def test_all_dram_prediction_is_compute_plus_updates():
     assert p.forward_s == pytest.approx(wl.compute_fwd_s) and p.optimizer_s == pytest.approx(updates)
 
 
+def test_dram_optimizer_homes_on_a_gpu_are_updated_during_backward():
+    # With CUDA the engine updates DRAM optimizer homes on its worker as their gradients become
+    # final (Engine._eager_dram): the updates overlap backward instead of following it
+    on_gpu = {n: {"param": "gpu", "optim": "cpu"} for n in random_workload(3).names}
+    for seed in range(4):
+        kw = dict(device="cuda", copy_Bps=math.inf, micro_batches=1 + seed % 2, updates_during_backward=True,
+                  compute_fwd_s=0.02)
+        overlapped = simulate(random_workload(3, dram_updates_during_backward=True, **kw), on_gpu, CM)
+        serial = simulate(random_workload(3, dram_updates_during_backward=False, **kw), on_gpu, CM)
+        wl = random_workload(3, **kw)
+        df = wl.shards
+        updates = float((df["opt_accesses_per_step"] * df["trainable"] * (wl.update_overhead_s + df["numel"] * wl.update_s_per_elem)).sum())
+        compute = wl.compute_fwd_s + wl.compute_bwd_s
+        assert serial.step_s == pytest.approx(compute + updates, rel=1e-12)  # after backward, one by one
+        # overlapped: no faster than backward or than the updates (none starts before backward
+        # does), no slower than the two one after the other, and strictly faster than that
+        assert overlapped.step_s >= max(compute, wl.compute_fwd_s + updates) * (1 - 1e-12)
+        assert overlapped.step_s < serial.step_s - 0.5 * min(updates, wl.compute_bwd_s)
+        assert overlapped.optimizer_s < serial.optimizer_s and overlapped.nvme_read_bytes == 0
+
+
 @pytest.mark.parametrize("servers", [1, 3])
 def test_all_nvme_prediction_is_above_the_roofline(servers):
     for seed in range(6):
@@ -586,6 +607,8 @@ def test_plan_a_real_profile_end_to_end(tmp_path):
     assert (pinned["pin_param"] == "cpu").all() and (pinned["pin_optim"] == "cpu").all() and len(pinned) == 4
     assert "both homes in DRAM" in wl.source["update"]  # block 0's updates time the optimizer
     assert wl.compute_fwd_s > 0 and wl.compute_bwd_s > 0 and wl.update_s_per_elem > 0
+    # no clipping, no fp16: NVMe groups are updated during backward; DRAM homes too only with CUDA
+    assert wl.updates_during_backward and not wl.dram_updates_during_backward
     steps = queries.steps(url, run_id)
     assert wl.measured_step_s == pytest.approx(steps[steps["step"] > 1]["wall_s"].median())
 
@@ -610,3 +633,25 @@ def test_plan_a_real_profile_end_to_end(tmp_path):
         assert plan.prediction.step_s <= simulate(cal, wl.all_nvme_placement(), cm).step_s * (1 + 1e-9)
         print(f"{method}: {plan.dram_bytes / 2**20:.2f} of {plan.room_bytes / 2**20:.2f} MiB of homes in DRAM, "
               f"predicted {plan.prediction.step_s * 1e3:.1f} ms, {plan.evaluations} simulations, {plan.solve_s * 1e3:.0f} ms")
+
+
+def test_an_fp16_profile_has_no_updates_during_backward(tmp_path):
+    # fp16 updates wait until the step's gradients are known not to overflow (the engine's
+    # eager_wanted): a workload that assumed updates during backward would under-predict the step
+    torch.manual_seed(0)
+    model, cfg = build_model("gpt", "tiny")
+    nvme, url = str(tmp_path / "nvme"), f"sqlite:///{tmp_path / 'p.db'}"
+    config = {"fp16": {"enabled": True, "initial_scale_power": 8},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
+              "zinf": {"chunk_size": "256KiB", "shard_min_bytes": "64KiB", "profiler": {"enabled": True, "db": url}}}
+    data = gpt_batches(cfg)
+    with zinf.initialize(model, config) as engine:
+        assert not engine.overlap.eager
+        for step in range(4):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        run_id = engine.recorder.wait_run_id(10)
+    wl = Workload.from_profile(url, run_id)
+    assert not wl.updates_during_backward and not wl.dram_updates_during_backward

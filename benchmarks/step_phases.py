@@ -1,0 +1,105 @@
+"""Where a placement policy's step goes: the per-phase medians (forward, backward, optimizer,
+stall; seconds per optimizer step, as the engine's ``last_step`` times them) and the NVMe bytes
+per step of the planner benchmark's workloads under one DRAM budget, policy after policy, with
+the overlap buffers the engine granted each placement. Every run records a profile, so that the
+planner's model of each placement can be replayed offline from the databases kept (``--keep-db``).
+
+Answers "why is policy A slower than policy B here": more stall (I/O not hidden), more optimizer
+time (updates not overlapped), or the same phases and more overhead.
+
+    OMP_NUM_THREADS=8 python3 benchmarks/step_phases.py --path /tmp/sp --workload gpt --budget 0.2 --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import planner_policies as pp  # noqa: E402
+
+import zinf  # noqa: E402
+
+PHASES = ("wall_s", "forward_s", "backward_s", "optimizer_s", "stall_s")
+
+
+def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int, args) -> dict:
+    """Train ``args.warmup + args.steps`` optimizer steps under ``policy``; medians of the measured ones."""
+    d = swap / policy
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    cfg = pp.policy_config(w, policy, d, budget, max_in_cpu=n_max, replan_every=args.replan_every)
+    cfg["zinf"]["profiler"] = {"enabled": True, "db": f"sqlite:///{d}/profile.db"}  # every policy records (like for like)
+    engine = zinf.initialize(pp.copy.deepcopy(w.model), cfg)
+    rows, nvme_b, predicted = [], [], []
+    with engine:
+        ov = engine.overlap
+        micro = 0
+        for step in range(args.warmup + args.steps):
+            before = engine.traffic_total
+            before_b = before.read["nvme"] + before.written["nvme"]
+            prediction = getattr(getattr(engine, "controller", None), "predicted_step_s", None)
+            for _ in range(w.grad_accum):
+                x, y = w.data.get(micro)
+                micro += 1
+                engine.backward(engine(x, y))
+                engine.step()
+            if step >= args.warmup:
+                rows.append({k: engine.last_step[k] for k in PHASES})
+                after = engine.traffic_total
+                nvme_b.append(after.read["nvme"] + after.written["nvme"] - before_b)
+                if prediction is not None:
+                    predicted.append(prediction)
+        ov = engine.overlap  # the buffers of the placement in force at the end
+        homes = pp.dram_homes(engine)
+    if args.keep_db:
+        args.keep_db.mkdir(parents=True, exist_ok=True)
+        shutil.copy(d / "profile.db", args.keep_db / f"{w.name}_{policy}_{args.budget:g}.db")
+    shutil.rmtree(d, ignore_errors=True)
+    out = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+    out["nvme_MB"] = statistics.median(nvme_b) / 1e6
+    out["predicted_s"] = statistics.median(predicted) if predicted else None
+    out["buffers"] = (f"prefetch {ov.prefetch_bytes >> 20} MiB, write {ov.write_bytes >> 20} MiB, "
+                      f"read-ahead {ov.read_ahead_bytes >> 20} MiB, eager {'on' if ov.eager else 'off'}")
+    out["homes"] = homes
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--path", type=Path, required=True, help="swap files go under it (removed at the end)")
+    ap.add_argument("--workload", choices=("gpt", "moe"), default="gpt")
+    ap.add_argument("--budget", type=float, default=0.2, help="DRAM budget as a fraction of the training state")
+    ap.add_argument("--policies", default="nvme,max_in_cpu,adaptive")
+    ap.add_argument("--warmup", type=int, default=24, help="optimizer steps before measuring")
+    ap.add_argument("--steps", type=int, default=16, help="measured optimizer steps per policy")
+    ap.add_argument("--replan-every", type=int, default=8)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--keep-db", type=Path, default=None, help="copy each run's profile database here")
+    args = ap.parse_args()
+    pp.DEVICE = args.device
+    w = pp.make_workload(args.workload, False)
+    args.path.mkdir(parents=True, exist_ok=True)
+    budget = int(args.budget * w.state_bytes)
+    n_max = pp.largest_max_in_cpu(w, args.path, budget) or 0
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({os.cpu_count()} cores), zinf.device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "") + f", torch {torch.__version__}")
+    print(f"{w.about}; budget {args.budget:.0%} = {budget >> 20} MiB; max_in_cpu {n_max}; "
+          f"{args.warmup} + {args.steps} steps per policy")
+    print(f"{'policy':<11}" + "".join(f"{k:>12}" for k in PHASES) + f"{'NVMe MB':>9}{'predicted':>11}")
+    for policy in args.policies.split(","):
+        r = run_policy(w, policy, args.path, budget, n_max, args)
+        pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] is not None else "-"
+        print(f"{policy:<11}" + "".join(f"{r[k]:12.3f}" for k in PHASES) + f"{r['nvme_MB']:9.1f}{pred:>11}", flush=True)
+        print(f"{'':<11}buffers: {r['buffers']}; DRAM homes: {r['homes']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
