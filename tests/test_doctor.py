@@ -4,10 +4,8 @@ code. Mount data for the filesystem rules is passed in as FsInfo values (no I/O 
 from __future__ import annotations
 
 import json
-import os
 import resource
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -199,29 +197,3 @@ def test_cpu_threads_check_warns_when_torch_takes_every_core():
     assert doctor.check_cpu_threads(torch_threads=2, cores=2).status is Status.PASS  # nothing to leave on 2 cores
     names = [r.name for r in doctor.run_checks("/nonexistent-zinf", measure=False)]
     assert "cpu threads" in names
-
-
-def test_a_profile_database_on_the_swap_disk_is_warned_about(tmp_path):
-    swap = tmp_path / "swap"
-    swap.mkdir()
-
-    def cfg(zinf_section):
-        return load_config({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(swap)}},
-                            "zinf": zinf_section})
-
-    beside = doctor.check_profile_db(swap, cfg({"profiler": {"enabled": True, "db": f"sqlite:///{tmp_path}/new/p.db"}}))
-    assert beside.status is Status.WARN and "zinf.profiler.db" in beside.fix and str(tmp_path / "new" / "p.db") in beside.detail
-    # the adaptive policy records a profile too (its default database: in the working directory)
-    adaptive = cfg({"dram_budget": "1GiB", "placement": {"policy": "adaptive"}})
-    expected = Status.WARN if os.stat(os.getcwd()).st_dev == os.stat(swap).st_dev else Status.PASS
-    assert doctor.check_profile_db(swap, adaptive).status is expected
-    # tmpfs is another filesystem than the test's directory
-    assert os.stat("/dev/shm").st_dev != os.stat(swap).st_dev
-    elsewhere = doctor.check_profile_db(swap, cfg({"profiler": {"enabled": True, "db": "sqlite:////dev/shm/zinf-test.db"}}))
-    assert elsewhere.status is Status.PASS and "another filesystem" in elsewhere.detail
-    assert doctor.check_profile_db(swap, cfg({})).status is Status.PASS  # nothing recorded
-    assert doctor.check_profile_db(swap, cfg({"profiler": {"enabled": True, "db": "sqlite://"}})).status is Status.PASS
-    assert doctor.sqlite_file_of("sqlite:///rel/p.db") == Path(os.path.abspath("rel/p.db"))
-    assert doctor.sqlite_file_of("postgresql://h/db") is None
-    names = [r.name for r in doctor.run_checks(swap, config=cfg({"profiler": {"enabled": True}}), measure=False)]
-    assert "profile db" in names

@@ -16,8 +16,7 @@ The checklist (seed article, section 2, plus what zinf itself needs):
 * torch's CPU threads against the cores (an OpenMP team on every core is preempted by zinf's I/O
   and profiler threads and waits for its slowest member);
 * the GPU and its PCIe link (``nvidia-smi``), with a pinned host-to-device copy where PyTorch
-  sees CUDA;
-* with a config: whether the profile database shares the swap directory's disk.
+  sees CUDA.
 """
 
 from __future__ import annotations
@@ -437,45 +436,6 @@ def check_config_paths(path: Path, config: Config) -> CheckResult:
     return CheckResult("config", Status.PASS, f"valid; its nvme_path is {path}")
 
 
-def sqlite_file_of(url: str) -> Path | None:
-    """The file of an SQLite URL (``sqlite:///relative.db``, ``sqlite:////abs/path.db``), made
-    absolute against the working directory; None for another database or an in-memory one."""
-    m = re.match(r"sqlite(?:\+\w+)?:///(.+?)(?:\?.*)?$", url)
-    if m is None or m.group(1) in ("", ":memory:"):
-        return None
-    return Path(os.path.abspath(m.group(1)))
-
-
-def check_profile_db(path: Path, config: Config) -> CheckResult:
-    """WARN when the profile database (recorded with ``zinf.profiler``, ``placement: adaptive`` or
-    ``autotune``) is an SQLite file on the same filesystem as the swap directory ``path``: its
-    writes then share that disk with the swap I/O. Measured (benchmarks/RESULTS.md, tenth run):
-    the profiler cost a dense GPT 6.7% a step beside the swap files and 2.0% on /dev/shm (2-core
-    VM), a MoE 6.5% and 3.9% on the H200 machine."""
-    z = config.zinf
-    recording = z.profiler.enabled or z.placement.policy == "adaptive" or z.autotune.enabled
-    if not recording:
-        return CheckResult("profile db", Status.PASS, "no profile is recorded (zinf.profiler off)")
-    db = sqlite_file_of(z.profiler.db)
-    if db is None:
-        return CheckResult("profile db", Status.PASS, f"{z.profiler.db.split(':', 1)[0]} database: not on the swap disk")
-    folder = db.parent
-    while not folder.exists() and folder != folder.parent:  # not created yet: the filesystem it will be on
-        folder = folder.parent
-    values = {"db": str(db)}
-    try:
-        same = os.stat(folder).st_dev == os.stat(path).st_dev
-    except OSError as e:
-        return CheckResult("profile db", Status.SKIP, f"skip: cannot stat {folder} or {path} ({e.strerror})", values=values)
-    if same:
-        return CheckResult("profile db", Status.WARN,
-                           f"the profile database {db} is on the swap directory's filesystem: its writes compete "
-                           "with the swap I/O (2-7% a step measured)",
-                           "set zinf.profiler.db to a file on another disk (or on tmpfs, for a profile you can lose)",
-                           values)
-    return CheckResult("profile db", Status.PASS, f"{db} is on another filesystem than the swap directory", values=values)
-
-
 def run_checks(
     path: str | os.PathLike,
     *,
@@ -507,8 +467,6 @@ def run_checks(
             state_bytes = int(params * per_param)
             why = f"{params:,} params x {per_param:g} bytes on NVMe" + ("" if config else ", the seed layout")
         results.append(check_free_space(path, state_bytes, why))
-        if config is not None:
-            results.append(check_profile_db(path, config))
     cfg = config
     zcfg = cfg.zinf if cfg is not None else None
     pinned_bytes = (zcfg.staging_buffers * zcfg.staging_buffer_size) if zcfg else 4 * 4 * MiB
