@@ -9,8 +9,8 @@ under ``max_in_cpu`` at one DRAM budget, in one process, five engines side by si
 
 The engines take turns, ``--block`` optimizer steps each, for ``--rounds`` rounds after one
 warm-up round, so that the machine's drift over time falls on all of them alike; each round's
-medians and the pooled medians ÷ ``static`` are printed. ``zinf doctor`` warns about a database on
-the swap directory's filesystem from these figures.
+medians and the pooled medians ÷ ``static`` are printed. On the 2-core VM two such A/Bs disagreed
+(benchmarks/RESULTS.md, tenth run): blocks of 8 steps vary by more than the effect.
 
     python3 benchmarks/profile_db_placement.py --path /tmp/pdb [--budget 0.3] [--block 8] [--rounds 8]
 """

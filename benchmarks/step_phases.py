@@ -15,6 +15,7 @@ import argparse
 import os
 import platform
 import shutil
+import sqlite3
 import statistics
 import sys
 import time
@@ -40,7 +41,6 @@ def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int,
     engine = zinf.initialize(pp.copy.deepcopy(w.model), cfg)
     rows, nvme_b, predicted = [], [], []
     with engine:
-        ov = engine.overlap
         micro = 0
         for step in range(args.warmup + args.steps):
             before = engine.traffic_total
@@ -61,7 +61,10 @@ def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int,
         homes = pp.dram_homes(engine)
     if args.keep_db:
         args.keep_db.mkdir(parents=True, exist_ok=True)
-        shutil.copy(d / "profile.db", args.keep_db / f"{w.name}_{policy}_{args.budget:g}.db")
+        # SQLite's backup, not a file copy: rows still in the WAL file (a planning process may
+        # have kept a reader open, so nothing was checkpointed at close) come along
+        with sqlite3.connect(d / "profile.db") as src, sqlite3.connect(args.keep_db / f"{w.name}_{policy}_{args.budget:g}.db") as dst:
+            src.backup(dst)
     shutil.rmtree(d, ignore_errors=True)
     out = {k: statistics.median(r[k] for r in rows) for k in PHASES}
     out["nvme_MB"] = statistics.median(nvme_b) / 1e6

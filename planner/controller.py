@@ -685,8 +685,7 @@ class AdaptiveController:
                 # landed plans under other accesses; the MoE at 20%: 33-40% off, and a plan for
                 # accesses that moved by noise promised 22% and measured 28% slower) and on the
                 # placement it measures now, whichever is larger
-                since_shift = [v for v in self.verified
-                               if v.get("step", 0) >= self._rates_from_step and not v.get("reaction")]
+                since_shift = [v for v in self._verified_like(None) if not v.get("reaction")]
                 known = [e for e in (self._error_of(since_shift), calibration_error) if e is not None]
                 model_term = max(known) if known else None
         return max(floor, noise_term, model_term or 0.0)
@@ -701,7 +700,7 @@ class AdaptiveController:
     def _verified_like(self, rates: "pd.Series | None") -> list[dict]:
         """The entries of :attr:`verified` made from accesses like ``rates`` (not
         :meth:`_accesses_changed` since), reactions to a shift of the accesses left out; all of
-        them for ``rates`` None. A reaction is planned from the few steps since a routing change
+        them since the last shift for ``rates`` None. A reaction is planned from the few steps since a routing change
         (the short EWMA): what it missed by is mostly what those steps got wrong about the new
         accesses, not what the model gets wrong - the MoE at 30%: a reaction 26-49% off gated
         the refinements after it (12-33 ms promised) and its step never recovered. Nor do the
