@@ -282,6 +282,18 @@ class _Solved:
     step: int | None = None  # the step it was made after (None: the step under way)
 
 
+def _model_numbers(wl: Workload) -> dict[str, float | str]:
+    """The workload's fitted numbers a plan rests on, for its recorded reason (to tell, from the
+    profile alone, why a prediction was off)."""
+    out: dict[str, float | str] = {k: float(getattr(wl, k)) for k in (
+        "compute_fwd_s", "compute_bwd_s", "update_s_per_elem", "update_overhead_s", "fetch_overhead_s", "overhead_s")}
+    out["copy_Bps"] = float(wl.copy_Bps) if math.isfinite(wl.copy_Bps) else "inf"
+    for k in ("update", "fetch_overhead", "copy"):
+        if k in wl.source:
+            out[f"{k}_from"] = str(wl.source[k])
+    return out
+
+
 def _assignments(placement: dict, target: dict, density: dict | None = None) -> list[dict]:
     """The ``plan_assignments`` rows of a plan: every shard of the engine's ``placement`` with the
     tiers ``target`` ({home: tier}) gives it (its current ones where ``target`` is silent) and its
@@ -1152,6 +1164,7 @@ class AdaptiveController:
             "solver": plan.method, "solver_s": plan.solve_s, "note": plan.note, "trigger": "drift" if drifted else "schedule",
             "model_error": self.model_error, "model_gain_s": model_gain_s, "step_noise": noise,
             "min_gain_fraction": min_gain, "accesses_shifted": shifted, "calibration_error": calibration_error,
+            "model": _model_numbers(workload),
         }
         self.recorder.record_plan(
             self.plans_made, _assignments(engine.placement, decision.placement, density), policy="adaptive", created_step=step,
@@ -1182,10 +1195,14 @@ class AdaptiveController:
         stand by. A profile read of a placement with no param on NVMe measures none and says 0,
         which made moving params to NVMe look free: the dense GPT at 30%, starting with every
         param in DRAM, promised 150-190 ms from moving 25 params out to make room for optimizer
-        homes, and measured 0-18 ms slower (0.7 ms a fetch once measured, x 8 fetches a step
-        each). So: the value measured, remembered for later reads of this run that have none;
-        before any, one whole read of the median param shard (cost model) - a fetch with its
-        read not hidden at all, the pessimistic end, until a measured one replaces it."""
+        homes, and measured 0-18 ms slower (0.7 ms a fetch by the estimate of then, x 8 fetches a
+        step each). So: the value measured, remembered for later reads of this run that have
+        none; before any, the latency of one read (cost model: its fixed part per request).
+        Measured since the engine records it (``fetch_overhead_s``), the overhead is 0.05-0.38 ms
+        a fetch on the H200 machine (GPT, MoE) and 0.14 ms on the 2-core VM, against read
+        latencies of 0.27-0.32 ms: the latency is at the high end of them. (One whole read of the
+        median shard, assumed before, was 1.5 ms there: 4-30x too much; on the H200 it kept the
+        GPT at 30% in max_in_cpu's placement, 0.76x the speed of all-NVMe.)"""
         if workload.fetch_overhead_measured:
             self._fetch_overhead = (float(workload.fetch_overhead_s), step)
             return workload
@@ -1196,11 +1213,9 @@ class AdaptiveController:
         params = workload.shards.loc[workload.shards["param_bytes"] > 0, "param_bytes"]
         if params.empty:
             return workload
-        nbytes = int(params.median())
-        seconds = float(cost.predict_s("nvme", "read", nbytes))
-        return workload.with_fetch_overhead(seconds, f"no NVMe param fetch measured yet: one whole read of the median "
-                                                     f"param shard ({nbytes} B, {seconds * 1e3:.2f} ms) assumed",
-                                            measured=False)
+        seconds = float(cost.predict_s("nvme", "read", 0))
+        return workload.with_fetch_overhead(seconds, f"no NVMe param fetch measured yet: the latency of one read "
+                                                     f"({seconds * 1e3:.2f} ms) assumed", measured=False)
 
     def _sample_detail(self, sparse: bool) -> None:
         """Have the recorder record the shard detail of every step, or - ``sparse``: the accesses

@@ -283,8 +283,8 @@ def stall_cost(workload: Workload, cost_model, *, prefetch_bytes: int | None = N
         slack = np.maximum(0.0, compute_before[entries] - issue_at)
     read_one = io.read_s(P)
     e_read = io.read_s(e_bytes, reads_w[entries]) if len(entries) else np.zeros(0)
-    e_stall = np.maximum(0.0, e_read - slack) + wl.fetch_overhead_s * reads_w[entries] + (
-        e_bytes / wl.copy_Bps if math.isfinite(wl.copy_Bps) else 0.0)
+    # (the fetch overhead holds the upload's launch on a GPU machine, as the simulator charges it)
+    e_stall = np.maximum(0.0, e_read - slack) + wl.fetch_overhead_s * reads_w[entries]
     param_stall = np.zeros(n)
     param_reads = np.zeros(n)
     param_slack = np.zeros(n)

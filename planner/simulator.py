@@ -107,8 +107,9 @@ class Prediction:
     optimizer_s: float
     """The optimizer phase (waiting for updates queued during backward, then the rest)."""
     stall_s: float
-    """Main-thread time waiting for params, gradients read back, queued updates (as the engine's
-    ``stall_s`` counts it)."""
+    """Main-thread time in forward and backward waiting for params, gradients read back, room for
+    gradient writes (the whole write without a window), queued updates (as the engine's ``stall_s``
+    counts it)."""
     io_bound_s: float
     """The disk's time (``disk_busy_s / disk_servers``) beyond the main thread's: the disk is the
     bottleneck."""
@@ -127,7 +128,7 @@ class Prediction:
     wasted_read_bytes: float = 0.0
     """Prefetched bytes dropped unused (see the module docstring)."""
     per_shard_stall_s: pd.Series | None = None
-    """Stall per step caused by each shard (param fetches and gradient read-backs), when asked."""
+    """Stall per step caused by each shard (param fetches, gradient read-backs and writes), when asked."""
 
     @property
     def roofline_s(self) -> float:
@@ -341,11 +342,14 @@ class Simulator:
             near = cum[np.maximum(e2, 0)] - cum[1:nf + 1] <= self.reuse_distance_bytes
             keep[:nf] = np.where((e2 >= 0) & near, e2, -1)
         self._prefetch(tr, e_shard.tolist(), keep.tolist())
-        # what a materialisation waits besides its read: the fetch overhead and the copy to the
-        # device (an NVMe param; a DRAM param on a GPU machine, but a chunk's backward visit)
+        # what a materialisation waits besides its read: an NVMe param the fetch overhead (as
+        # recorded: resizing, copying out of the read buffer, launching the upload), a DRAM
+        # param on a GPU machine its upload (bytes / copy_Bps, fitted on those fetches' whole
+        # time), but a chunk's backward visit
         fetch_over, copy_spb = self.workload.fetch_overhead_s, self.copy_s_per_byte
-        f_fixed = np.where(f_in | (pc[fwd] == P_COPY), f_w * (fetch_over + P[fwd] * copy_spb), 0.0)
-        b_fixed = np.where(b_in | ((pc[bwd] == P_COPY) & ~chunk[bwd]), b_w * (fetch_over + P[bwd] * copy_spb), 0.0)
+        f_copy, b_copy = pc[fwd] == P_COPY, (pc[bwd] == P_COPY) & ~chunk[bwd]
+        f_fixed = f_w * np.where(f_in, fetch_over, np.where(f_copy, P[fwd] * copy_spb, 0.0))
+        b_fixed = b_w * np.where(b_in, fetch_over, np.where(b_copy, P[bwd] * copy_spb, 0.0))
         # a backward visit's gradient to an NVMe group: its bytes (-1: none), and how the shard is
         # updated during backward: EAGER_NVME (when eager: its group read asked for at the
         # pre-hook, the update queued when the gradient is final), EAGER_DRAM (a DRAM optimizer
@@ -662,8 +666,13 @@ class Simulator:
                         if last and eager:
                             if eag == EAGER_NVME:
                                 t = submit_update(t, i)
-                        else:
-                            t = write(t, gb, w)  # spilled behind backward (waits only for window room)
+                        else:  # spilled behind backward: waits for window room, or for the whole
+                            # write when there is no window (a stall, as the engine counts it)
+                            d = write(t, gb, w)
+                            stall += d - t
+                            if per_shard:
+                                stall_of[i] += (d - t) * repeat
+                            t = d
                     elif eag == EAGER_DRAM and last:
                         t = submit_dram_update(t, i)
             # end of backward: chunks are updated now (eager), reads left in flight are dropped

@@ -50,10 +50,15 @@ Assumptions made when building from a profile (:meth:`Workload.from_profile`):
 * Compute: ``forward_s + backward_s - stall_s`` is the compute of both passes; it is split between
   them assuming the same stall fraction in both (the profile records the stall per step, not per
   phase).
-* Update seconds: from the shards whose both homes are in DRAM (their recorded optimizer seconds
-  are the update alone), fitted ``seconds = overhead + numel * s_per_elem`` robustly; without such
-  shards, measured by timing zinf's own optimizer update on this machine (``measure_update``),
-  because the recorded optimizer seconds of an NVMe group include waiting for its reads.
+* Update seconds: from the updates the engine timed (``shard_steps.update_s``), fitted
+  ``seconds = overhead + numel * s_per_elem`` robustly. Profiles older than schema 0003: from the
+  shards whose both homes are in DRAM (their recorded optimizer seconds are the update alone);
+  without such shards, measured by timing zinf's own optimizer update on this machine
+  (``measure_update``), because the recorded optimizer seconds of an NVMe group include waiting
+  for its reads.
+* Fetch overhead (the non-I/O part of an NVMe param fetch) and the upload cost of a DRAM param
+  (CUDA): from ``shard_steps.fetch_overhead_s`` and ``fetch_s``, not ``stall_s``, which also holds
+  the shard's gradient read-backs and write waits.
 * DRAM the homes cannot use (``reserved_dram_bytes``): the engine's working set, staging buffers
   and wanted overlap at the all-NVMe placement (an upper bound; see :func:`engine_reserved_bytes`).
 """
@@ -575,23 +580,30 @@ def measure_update(optimizer_config=None, *, numel: int = 1 << 18, repeats: int 
 
 def _update_cost(stats: pd.DataFrame, cfg, measure: bool,
                  measured: tuple[float, float] | None = None) -> tuple[float, float, str]:
-    """(s per element, s per update, how) from the shards with both homes in DRAM, else
-    ``measured``, else measured here."""
+    """(s per element, s per update, how): fitted on the updates the engine timed (``update_s``,
+    every shard updated), else - a profile older than schema 0003 - on the shards with both
+    homes in DRAM (their ``optimizer_s`` is the update alone), else ``measured``, else measured
+    here."""
     from planner.costmodel import fit_latency_bandwidth
 
-    dram = ("cpu", "gpu")
-    rows = stats[stats["optim_tier"].isin(dram) & stats["param_tier"].isin(dram) & (stats["optimizer_accesses"] > 0)]
+    updated = stats[stats["optimizer_accesses"] > 0]
+    if "update_s" in updated and updated["update_s"].sum() > 0:
+        rows, seconds, which = updated[updated["update_s"] > 0], "update_s", "shards' recorded updates"
+    else:
+        dram = ("cpu", "gpu")
+        rows = updated[updated["optim_tier"].isin(dram) & updated["param_tier"].isin(dram)]
+        seconds, which = "optimizer_s", "shards with both homes in DRAM"
     if len(rows) >= 2:
         numel = rows["numel"].to_numpy(np.float64)
-        per_update = (rows["optimizer_s"] / rows["optimizer_accesses"]).to_numpy(np.float64)
+        per_update = (rows[seconds] / rows["optimizer_accesses"]).to_numpy(np.float64)
         try:
             overhead_s, elems_per_s, method = fit_latency_bandwidth(numel, per_update)
-            return 1.0 / elems_per_s, overhead_s, f"fitted on {len(rows)} shards with both homes in DRAM ({method})"
+            return 1.0 / elems_per_s, overhead_s, f"fitted on {len(rows)} {which} ({method})"
         except ZinfError:
             pass
     if len(rows) >= 1:
-        s = float(rows["optimizer_s"].sum() / (rows["numel"] * rows["optimizer_accesses"]).sum())
-        return s, 0.0, f"ratio over {len(rows)} shard(s) with both homes in DRAM"
+        s = float(rows[seconds].sum() / (rows["numel"] * rows["optimizer_accesses"]).sum())
+        return s, 0.0, f"ratio over {len(rows)} {which}"
     if measured is not None:
         return float(measured[0]), float(measured[1]), \
             "measured before (zinf.optim on 256 Ki elements): no shard had both homes in DRAM"
@@ -603,13 +615,17 @@ def _update_cost(stats: pd.DataFrame, cfg, measure: bool,
 
 
 def _fetch_overhead(stats: pd.DataFrame, df: pd.DataFrame, micro: int, eager: bool) -> tuple[float, bool, str]:
-    """Seconds of an NVMe param fetch beyond its read, whether any fetch measured it, and how:
-    the 25th percentile of stall per fetch over one-parameter NVMe shards (a quarter of fetches
-    find their prefetch landed; their stall is the rest of the fetch: waiting on the future,
-    resizing the storage, copying out of the buffer); (0, False) without any such fetch."""
+    """Seconds of an NVMe param fetch beyond its read, whether any fetch measured it, and how.
+
+    The engine records it (``fetch_overhead_s``: resizing the storage, copying out of the read
+    buffer or launching the upload): the median over one-parameter NVMe shards of their overhead
+    per fetch. Profiles older than schema 0003 hold 0 there: then the 25th percentile of stall per
+    fetch (a guess that a quarter of fetches find their prefetch landed; too high where stall_s
+    also holds gradient read-backs, or where nothing is prefetched). (0, False) without any fetch."""
     rows = stats[(stats["param_tier"] == "nvme")]
     if rows.empty:
         return 0.0, False, "no NVMe param shard: 0"
+    recorded = "fetch_overhead_s" in rows and rows["fetch_overhead_s"].sum() > 0
     per = []
     for name, r in rows.iterrows():
         if df.loc[name, "chunk"] or r["param_bytes"] <= 0:
@@ -621,16 +637,25 @@ def _fetch_overhead(stats: pd.DataFrame, df: pd.DataFrame, micro: int, eager: bo
             grads_per_step = min(micro, r["backward_accesses"] / steps)  # micro-batches with a gradient
             readbacks = max(0.0, grads_per_step - 1) * steps  # sums read back between micro-batches
             group = r["optimizer_accesses"] * (r["optim_bytes"] + (0 if eager else r["grad_bytes"])) + readbacks * r["grad_bytes"]
+        # (on CUDA a fetch uploaded ahead counts here too, with no overhead at the fetch)
         fetches = max(0.0, (r["read_nvme_bytes"] - group)) / r["param_bytes"]
         if fetches >= 1:
-            per.append(r["stall_s"] / fetches)
+            per.append((r["fetch_overhead_s"] if recorded else r["stall_s"]) / fetches)
     if not per:
         return 0.0, False, "no NVMe param fetch recorded: 0"
-    return float(np.quantile(per, 0.25)), True, f"25th percentile of stall per fetch over {len(per)} NVMe param shards"
+    if recorded:
+        return float(np.median(per)), True, f"recorded overhead per fetch, median over {len(per)} NVMe param shards"
+    return float(np.quantile(per, 0.25)), True, f"25th percentile of stall per fetch over {len(per)} NVMe param shards (profile before schema 0003)"
 
 
 def _copy_bandwidth(stats: pd.DataFrame) -> tuple[float, str]:
+    """Bytes/s the training thread pays to put a DRAM param on the GPU: bytes over the seconds its
+    fetches took (``fetch_s``; not ``stall_s``, which also holds the shard's gradient read-backs
+    and write waits). The upload runs on a side stream, so this is mostly launching it."""
     rows = stats[(stats["param_tier"] == "cpu") & (stats["read_cpu_bytes"] > 0)]
-    if rows.empty or rows["stall_s"].sum() <= 0:
+    if rows.empty:
         return 25e9, "no DRAM param fetch recorded: 25 GB/s assumed (pinned host to device)"
-    return float(rows["read_cpu_bytes"].sum() / rows["stall_s"].sum()), f"bytes / stall over {len(rows)} DRAM param shards"
+    seconds = float(rows["fetch_s"].sum())
+    if seconds <= 0:
+        return math.inf, f"no wait in the fetches of {len(rows)} DRAM param shards: free"
+    return float(rows["read_cpu_bytes"].sum() / seconds), f"bytes / fetch seconds over {len(rows)} DRAM param shards"

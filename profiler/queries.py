@@ -261,14 +261,16 @@ def shard_steps(src: Source, run_id: int, *, first_step: int | None = None, last
 
 def shard_access_stats(src: Source, run_id: int, first_step: int | None = None, last_step: int | None = None) -> pd.DataFrame:
     """Per shard, over the windows that start in ``[first_step, last_step]``: accesses by phase,
-    bytes by tier, fetch/stall/optimizer seconds, totals and per-step rates, and the tiers at the
+    bytes by tier, fetch/stall/optimizer seconds (``fetch_overhead_s``: the part of the stall of its
+    fetches not spent waiting for a read; ``update_s``: of ``optimizer_s``, the updates alone; both 0
+    in profiles older than schema 0003), totals and per-step rates, and the tiers at the
     end of the range. ``steps`` is the number of steps the rates are divided by (those of the
     selected windows). Shards never accessed in the range are listed with zeros."""
     ss, sh, st = schema.shard_steps, schema.shards, schema.steps
     rid = int(run_id)
     sums = ["forward_accesses", "backward_accesses", "recompute_accesses", "optimizer_accesses",
             *[f"read_{t}_bytes" for t in schema.TIERS], *[f"written_{t}_bytes" for t in schema.TIERS],
-            "fetch_s", "stall_s", "optimizer_s"]
+            "fetch_s", "stall_s", "fetch_overhead_s", "optimizer_s", "update_s"]
     cond = [ss.c.run_id == rid]
     if first_step is not None:
         cond.append(ss.c.step >= int(first_step))

@@ -99,14 +99,16 @@ _WRITE0 = 4 + len(schema.TIERS)  # written bytes per tier: 7, 8, 9
 _FETCH_S = _WRITE0 + len(schema.TIERS)
 _STALL_S = _FETCH_S + 1
 _OPTIM_S = _STALL_S + 1
-_ACC_LEN = _OPTIM_S + 1
+_OVERHEAD_S = _OPTIM_S + 1  # the fetches' stall beyond waiting for their reads
+_UPDATE_S = _OVERHEAD_S + 1  # of _OPTIM_S, the updates alone
+_ACC_LEN = _UPDATE_S + 1
 
 _CALIBRATION_COLUMNS = tuple(c.name for c in schema.calibrations.columns if c.name != "id")
 
 
 def _new_acc() -> list:
     acc: list = [0] * _ACC_LEN
-    acc[_FETCH_S] = acc[_STALL_S] = acc[_OPTIM_S] = 0.0
+    acc[_FETCH_S] = acc[_STALL_S] = acc[_OPTIM_S] = acc[_OVERHEAD_S] = acc[_UPDATE_S] = 0.0
     return acc
 
 
@@ -657,6 +659,7 @@ class Recorder:
                     tiers[0] = e.tier
             acc[_FETCH_S] += e.fetch_s
             acc[_STALL_S] += e.stall_s
+            acc[_OVERHEAD_S] += e.overhead_s
             return False
         if kind is ev.IoBatch:
             for item in e.items():
@@ -680,6 +683,7 @@ class Recorder:
                 acc[_READ0 + t] += e.read_bytes
                 acc[_WRITE0 + t] += e.write_bytes
             acc[_OPTIM_S] += e.read_s + e.update_s + e.write_s
+            acc[_UPDATE_S] += e.update_s
             tiers = st.tiers.get(e.shard)
             if tiers is not None:
                 tiers[1] = e.tier
@@ -805,6 +809,7 @@ class Recorder:
                 "forward_accesses": a[_FWD], "backward_accesses": a[_BWD],
                 "recompute_accesses": a[_REC], "optimizer_accesses": a[_OPT],
                 "fetch_s": a[_FETCH_S], "stall_s": a[_STALL_S], "optimizer_s": a[_OPTIM_S],
+                "fetch_overhead_s": a[_OVERHEAD_S], "update_s": a[_UPDATE_S],
                 "param_tier": st.tiers[name][0], "optim_tier": st.tiers[name][1],
             }
             for i, t in enumerate(schema.TIERS):

@@ -136,6 +136,10 @@ shard_steps = sa.Table(
     sa.Column("optimizer_s", sa.Float, nullable=False, server_default="0"),  # read + update + write
     sa.Column("param_tier", sa.String(8)),  # tier at the end of the window
     sa.Column("optim_tier", sa.String(8)),
+    # of stall_s: the fetches' time beyond waiting for their reads (resize, copy out, upload
+    # launch); last, where migration 0003 added them
+    sa.Column("fetch_overhead_s", sa.Float, nullable=False, server_default="0"),
+    sa.Column("update_s", sa.Float, nullable=False, server_default="0"),  # of optimizer_s: the update alone
 )
 sa.Index(None, shard_steps.c.run_id, shard_steps.c.step)
 sa.Index(None, shard_steps.c.run_id, shard_steps.c.shard_id)

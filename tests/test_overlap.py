@@ -116,6 +116,34 @@ def test_a_tight_budget_turns_overlap_off_not_training(tmp_path):
         assert engine.global_steps == 4
 
 
+def test_without_overlap_the_training_threads_io_waits_are_stalls_and_fetch_overhead_is_not_the_read(tmp_path):
+    """No overlap buffers (a tight budget): every param fetch reads on the spot and every gradient
+    spill is a synchronous write. Both are time the training thread waits on the disk, so both
+    are stall (the planner takes compute = phase time - stall); of a fetch's stall, the overhead
+    recorded is what is not waiting for its read."""
+    from zinf.events import ShardFetched, ShardTransfer, StepFinished
+
+    model, data = MODELS["gpt_tied"][0]()
+    config = placement_config("nvme", tmp_path, model)
+    config["gradient_accumulation_steps"] = 2
+    with zinf.initialize(copy.deepcopy(model), dict(config, optimizer=OPT)) as engine:
+        minimum = engine.dram_need.total_bytes - engine.dram_need.overlap_bytes
+    config["zinf"]["dram_budget"] = minimum
+    rec = ListRecorder()
+    with _train(copy.deepcopy(model), data, config, steps=6, recorder=rec) as engine:
+        assert engine.overlap.total_bytes == 0 and not engine.overlap.eager
+    spills = [e for e in rec.of(ShardTransfer) if e.what == "grad" and e.op == "write"]
+    written_s = sum(e.seconds for e in rec.of(IoDone) if e.op == "write" and e.what == "grad")
+    assert spills and written_s > 0
+    # each synchronous write ran inside the wait recorded for it
+    assert sum(e.stall_s for e in spills) >= 0.95 * written_s
+    fetches = [e for e in rec.of(ShardFetched) if e.tier == "nvme" and e.bytes > 0]
+    assert fetches and all(0.0 < e.overhead_s < e.stall_s for e in fetches)
+    # the step's stall holds its fetches, read-backs and spills
+    per_step = sum(e.stall_s for e in rec.of(StepFinished))
+    assert per_step >= 0.95 * (sum(e.stall_s for e in fetches) + sum(e.stall_s for e in rec.of(ShardTransfer)))
+
+
 def test_500_steps_of_divergent_moe_routing_finish_within_the_pools(tmp_path):
     """Issue 3's soak: 500 steps of an MoE whose learned router changes its expert choice as it
     trains, so the recorded trace keeps going wrong. Training must finish (a hang fails the test

@@ -132,9 +132,9 @@ def record(url, events, **kw) -> Recorder:
 # ------------------------------------------------------------------------ schema / migrations
 def test_upgrade_creates_all_tables_with_wal(tmp_path):
     url = db_url(tmp_path / "new" / "dir")  # parent folders are created
-    assert store.upgrade(url) == store.head_revision() == "0002"
-    assert store.current_revision(url) == "0002"
-    assert store.upgrade(url) == "0002"  # idempotent
+    assert store.upgrade(url) == store.head_revision() == "0003"
+    assert store.current_revision(url) == "0003"
+    assert store.upgrade(url) == "0003"  # idempotent
     with sqlite3.connect(tmp_path / "new" / "dir" / "profile.db") as c:
         tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         indexes = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type='index'")}
@@ -154,7 +154,8 @@ def test_upgrade_creates_all_tables_with_wal(tmp_path):
 
 
 def test_a_profile_of_the_first_schema_upgrades_and_keeps_its_samples(tmp_path):
-    """0001 -> 0002 adds io_samples.concurrency; the samples already there stay, with NULL in it."""
+    """0001 -> 0002 adds io_samples.concurrency, 0003 shard_steps.fetch_overhead_s; the samples
+    already there stay, with NULL in the new column."""
     url = db_url(tmp_path)
     assert store.upgrade(url, "0001") == "0001"
     with sqlite3.connect(tmp_path / "profile.db") as c:
@@ -162,9 +163,11 @@ def test_a_profile_of_the_first_schema_upgrades_and_keeps_its_samples(tmp_path):
         c.execute("INSERT INTO runs (id, name, status, started_at) VALUES (1, 'old', 'finished', 0)")
         c.execute("INSERT INTO io_samples (run_id, step, op, tier, what, bytes, seconds) "
                   "VALUES (1, 3, 'read', 'nvme', 'param', 4096, 0.001)")
-    assert store.upgrade(url) == "0002"
+    assert store.upgrade(url) == "0003"
     df = queries.io_samples(url, 1)
     assert len(df) == 1 and df["bytes"].iat[0] == 4096 and df["concurrency"].isna().all()
+    with sqlite3.connect(tmp_path / "profile.db") as c:
+        assert "fetch_overhead_s" in {r[1] for r in c.execute("PRAGMA table_info(shard_steps)")}
 
 
 def test_migrations_match_schema_module(tmp_path):

@@ -654,15 +654,19 @@ class Engine:
         t0 = time.perf_counter()
         shard = st.shard
         nbytes = self._nbytes(st)[0]
+        read_wait_s = 0.0  # of the stall: waiting for the read (the rest no prefetch can hide)
         with record_function(f"zinf.fetch.{st.place.param}"):
             if st.place.param == "nvme":
                 entry = self._prefetcher.take(shard.index)
                 future = entry.future if entry is not None else self._start_param_read(shard.index)
+                t_wait = time.perf_counter()
                 try:
                     src = future.result()  # waits only for what the prefetch did not bring in time
                 finally:
                     buffer = future.zinf_buffer
-                landed = entry.done_at_s[0] if entry is not None and entry.done_at_s else time.perf_counter()
+                now = time.perf_counter()
+                read_wait_s = now - (t0 if entry is None else t_wait)  # a miss: issuing it is waiting too
+                landed = entry.done_at_s[0] if entry is not None and entry.done_at_s else now
                 fetch_s = landed - (entry.issued_at_s if entry is not None else t0)
             else:
                 if self._cuda is not None:
@@ -676,7 +680,7 @@ class Engine:
         self._count("read", st.place.param, nbytes)
         self._step_timer.stall_s += stall_s
         if self._emit_detail:
-            self._emit_fetch(st, phase, st.place.param, nbytes, fetch_s, stall_s)
+            self._emit_fetch(st, phase, st.place.param, nbytes, fetch_s, stall_s, max(0.0, stall_s - read_wait_s))
         if self._cuda is not None:
             self._upload_ahead()
 
@@ -922,10 +926,16 @@ class Engine:
             st.grad_norms[i] = torch.linalg.vector_norm(st.grad[m.offset : m.offset + m.numel], 2.0)
         st.arrived_now.clear()
         grad, st.grad = st.grad, None
-        self._write_optim(st, "grad", grad)  # asynchronous: backward goes on
+        # behind backward, through the window of writes in flight; what the training thread waits
+        # here (a synchronous write without a window, or room in a full one) is a stall, so that
+        # compute = phase time - stall holds no I/O
+        t0 = time.perf_counter()
+        self._write_optim(st, "grad", grad)
+        waited = time.perf_counter() - t0
+        self._step_timer.stall_s += waited
         st.grad_on_nvme = True
         if self._emit_detail:
-            self._emit_transfer(st, "grad", "write", "nvme", grad.numel() * 4, 0.0)
+            self._emit_transfer(st, "grad", "write", "nvme", grad.numel() * 4, waited)
 
     def _finish_backward(self) -> None:
         if self._cuda is not None:
@@ -1846,8 +1856,10 @@ class Engine:
         r = self.recorder
         return r.enabled and getattr(r, "shard_detail_now", True)
 
-    def _emit_fetch(self, st: ShardState, phase: str, tier: str, nbytes: int, fetch_s: float, stall_s: float) -> None:
-        self.recorder.emit(ev.ShardFetched(self.global_steps, self.micro_steps, st.name, phase, tier, nbytes, fetch_s, stall_s))
+    def _emit_fetch(self, st: ShardState, phase: str, tier: str, nbytes: int, fetch_s: float, stall_s: float,
+                    overhead_s: float = 0.0) -> None:
+        self.recorder.emit(ev.ShardFetched(self.global_steps, self.micro_steps, st.name, phase, tier, nbytes, fetch_s, stall_s,
+                                           overhead_s))
 
     def _emit_transfer(self, st: ShardState, what: str, op: str, tier: str, nbytes: int, stall_s: float) -> None:
         self.recorder.emit(ev.ShardTransfer(self.global_steps, st.name, what, op, tier, nbytes, stall_s))

@@ -70,6 +70,7 @@ class ShardFetched:
     bytes: int  # bytes moved (0 when the param home is already on the compute device)
     fetch_s: float  # time the copy/read took
     stall_s: float  # time compute waited for it (== fetch_s for a synchronous fetch)
+    overhead_s: float = 0.0  # of stall_s, the time not spent waiting for a read (resize, copy out, upload launch)
 
 
 @dataclass(frozen=True, slots=True)
