@@ -76,7 +76,7 @@ from planner.hotness import ewma_difference_steps, ewma_effective_steps
 from planner.policy import Decision, PlacementPolicy, PolicySettings, diff_moves
 from planner.simulator import Simulator, calibrate
 from planner.solver import Plan, PlanError, homes_of, solve
-from planner.workload import Workload, measure_update
+from planner.workload import Workload, measure_io_cpu, measure_update
 
 log = logging.getLogger("zinf.planner")
 
@@ -288,7 +288,8 @@ def _model_numbers(wl: Workload) -> dict[str, float | str]:
     out: dict[str, float | str] = {k: float(getattr(wl, k)) for k in (
         "compute_fwd_s", "compute_bwd_s", "update_s_per_elem", "update_overhead_s", "fetch_overhead_s", "overhead_s")}
     out["copy_Bps"] = float(wl.copy_Bps) if math.isfinite(wl.copy_Bps) else "inf"
-    for k in ("update", "fetch_overhead", "copy"):
+    out["io_cpu_s_per_byte"] = float(wl.io_cpu_s_per_byte)
+    for k in ("update", "fetch_overhead", "copy", "io_cpu"):
         if k in wl.source:
             out[f"{k}_from"] = str(wl.source[k])
     return out
@@ -542,6 +543,9 @@ class AdaptiveController:
         # (s per element, s per update) of the optimizer update, timed once on the training
         # process (_time_update_once) for the plans made while no shard has both homes in DRAM
         self._update_timing: tuple[float, float] | None = None
+        # (s per byte, how) of the compute the store's threads take from training (a CPU device;
+        # _time_io_cpu_once), for every plan's workload
+        self._io_cpu: tuple[float, str] | None = None
         self._job: _Job | None = None  # the plan being made in the planning process
         self._planner_started = False  # the planning process was asked to import the planner
         self._process_failures = 0  # plans in a row the planning process did not make (died, starved)
@@ -879,6 +883,7 @@ class AdaptiveController:
         before_s = statistics.median(recent) if len(recent) >= s.drift_steps else None
         self._recent_s.clear()  # drift is judged on steps after this plan
         self._time_update_once(engine)
+        self._time_io_cpu_once(engine)
         if self.plan_lag_steps > 0 and self._process_failures < PROCESS_FAILURES_INLINE and self._can_plan_elsewhere():
             self._hand_over(engine, step, drifted, before_s)
             return None
@@ -894,6 +899,28 @@ class AdaptiveController:
         noise)."""
         if self._update_timing is None:
             self._update_timing = measure_update(engine.config.optimizer)
+
+    def _time_io_cpu_once(self, engine) -> None:
+        """On a CPU device, measure once a run (~0.7 s, between steps) how much compute the
+        store's request threads take from the training thread per byte they read
+        (:func:`planner.workload.measure_io_cpu`, in the param swap folder): moving a home to NVMe
+        costs that too, which the disk's time alone does not say (the dense GPT at 30% on the
+        2-core VM: a plan promising 562 -> 451 ms measured 670 ms). With a GPU computing it is 0."""
+        if self._io_cpu is not None:
+            return
+        if engine.device.type != "cpu":
+            self._io_cpu = (0.0, "a GPU computes: 0")
+            return
+        cfg = engine.config
+        folder = cfg.param_nvme_path
+        try:
+            timing = measure_io_cpu(folder, thread_count=max(2, int(cfg.aio.thread_count)))
+        except (OSError, TypeError) as e:  # no swap folder, or the disk refused: plan without it
+            self._io_cpu = (0.0, f"not measured ({type(e).__name__}: {e}): 0")
+            log.warning("zinf planner: could not measure the store's CPU cost in %s (%s); planning without it", folder, e)
+            return
+        self._io_cpu = (timing.s_per_byte, f"measured here: compute {timing.alone_s * 1e3:.0f} ms alone, "
+                                           f"{timing.beside_s * 1e3:.0f} ms beside reads at {timing.read_Bps / 1e6:.0f} MB/s")
 
     # ------------------------------------------------------------------ planning elsewhere
     def __getstate__(self) -> dict:
@@ -1072,6 +1099,8 @@ class AdaptiveController:
                                          measured_update=self._update_timing)
 
         workload = profile("long")
+        if self._io_cpu is not None:
+            workload = workload.with_io_cpu(*self._io_cpu)
         if "accesses_max" in workload.shards:
             self._caps = workload.shards["accesses_max"].astype(float).set_axis(workload.shards["shard"])
         # both EWMAs of every shard's accesses, whichever filled the workload's phase columns
@@ -1082,6 +1111,8 @@ class AdaptiveController:
         if shifted:
             # the same profile again, its phase columns from the short EWMA (rare: a routing change)
             workload = profile("short")
+            if self._io_cpu is not None:
+                workload = workload.with_io_cpu(*self._io_cpu)
             self._rates_from_step = max(self._rates_from_step, step - s.drift_steps)  # the next plans' window
         constant = _rate_change(short_rates, rates) < s.constant_rate_change
         if not drifted and not shifted and self._unchanged(engine, workload):

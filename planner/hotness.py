@@ -301,6 +301,10 @@ def stall_cost(workload: Workload, cost_model, *, prefetch_bytes: int | None = N
     param_disk += np.where(rewrite, uo * io.write_s(P), 0.0)
     if write_window == 0:
         param_stall += np.where(rewrite, uo * io.write_s(P), 0.0)
+    # the store's CPU taken from the training thread (a CPU device): per byte the home moves
+    param_moved = np.zeros(n)
+    np.add.at(param_moved, owner, k * e_bytes)
+    param_stall += wl.io_cpu_s_per_byte * (param_moved + np.where(rewrite, uo * P, 0.0))
 
     # -- optimizer group
     files = np.divide(O, numel * 4, out=np.zeros(n), where=numel > 0)  # master + moments files
@@ -324,6 +328,8 @@ def stall_cost(workload: Workload, cost_model, *, prefetch_bytes: int | None = N
     if write_window == 0:
         optim_stall += uo * group_write + spills * io.write_s(G)
     optim_disk = uo * (group_read + group_write) + readbacks * io.read_s(G) + spills * io.write_s(G)
+    optim_moved = uo * (2 * O + (0 if eager else G)) + (readbacks + spills) * G
+    optim_stall += wl.io_cpu_s_per_byte * optim_moved
     # (a use in a fraction of the passes costs that fraction of its requests: expected values)
     optim_stall = np.where(trainable, optim_stall, 0.0)
     optim_disk = np.where(trainable, optim_disk, 0.0)

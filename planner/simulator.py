@@ -58,15 +58,20 @@ current one is updated (``pipeline_read``) and write-backs run behind. An update
 ``update_overhead_s + numel x update_s_per_elem``; a trainable shard whose param is on NVMe in its
 own file also rewrites it after the update. DRAM homes cost no I/O.
 
+**The store's CPU.** On a CPU device the store's request threads run on the cores torch
+computes on, and the training thread loses ``io_cpu_s_per_byte`` of compute per NVMe byte moved
+(``measure_io_cpu``: 0.45-0.51 ms per MB on the 2-core VM): ``io_cpu_s``, added to the main
+thread's time as a whole (an expected value: it does not say which phase it slows).
+
 **Steady state and the step time.** The step is simulated twice when I/O is left over at its end:
 the second time the disk starts with the first run's backlog (write-backs of the previous step
-delay the next step's first reads). ``step_s = max(main thread, disk busy / servers) + overhead_s``: a
+delay the next step's first reads). ``step_s = max(main thread + io_cpu_s, disk busy / servers) + overhead_s``: a
 step cannot in the long run be shorter than the disk time it needs (``io_bound_s`` is the excess), and
 ``overhead_s`` is the workload's calibrated residual (:func:`calibrate`): the measured step minus
 the simulation of the measured placement, so that the prediction of the placement the run is in
 matches what was measured. It is one explicit number per workload, the same for every placement.
 
-Not modelled: CPU contention other than ``cpu_contention``, page-cache effects, module
+Not modelled: CPU contention other than ``cpu_contention`` and ``io_cpu_s``, page-cache effects, module
 nesting (a parent's params held while children run), the real module trace (order is shard order),
 the prefetcher's ``2 x window`` look-ahead limit, and reads of the gradient by clipping.
 
@@ -99,7 +104,7 @@ class Prediction:
     """The simulated step of one placement (seconds per optimizer step; bytes per step)."""
 
     step_s: float
-    """``max(main thread, disk busy / servers) + overhead_s``."""
+    """``max(main thread + io_cpu_s, disk busy / servers) + overhead_s``."""
     forward_s: float
     """Forward passes, stalls included."""
     backward_s: float
@@ -127,6 +132,9 @@ class Prediction:
     """Bytes written to NVMe."""
     wasted_read_bytes: float = 0.0
     """Prefetched bytes dropped unused (see the module docstring)."""
+    io_cpu_s: float = 0.0
+    """Compute the training thread loses to the store's threads: NVMe bytes x the workload's
+    ``io_cpu_s_per_byte`` (a CPU device), added to the main thread's time."""
     per_shard_stall_s: pd.Series | None = None
     """Stall per step caused by each shard (param fetches, gradient read-backs and writes), when asked."""
 
@@ -275,7 +283,9 @@ class Simulator:
         else:
             out = first
         wl = self.workload
-        main_s = out["forward_s"] + out["backward_s"] + out["optimizer_s"]
+        # the store's threads computing on the training thread's cores (a CPU device)
+        io_cpu = (out["read_bytes"] + out["write_bytes"]) * wl.io_cpu_s_per_byte
+        main_s = out["forward_s"] + out["backward_s"] + out["optimizer_s"] + io_cpu
         disk_s = out["disk_busy_s"] / self.disk_servers  # the disk's own time: its servers work at once
         io_bound = max(0.0, disk_s - main_s)
         stall = None
@@ -286,7 +296,7 @@ class Simulator:
             forward_s=out["forward_s"], backward_s=out["backward_s"], optimizer_s=out["optimizer_s"],
             stall_s=out["stall_s"], io_bound_s=io_bound, overhead_s=wl.overhead_s, compute_s=self.compute_s,
             disk_busy_s=out["disk_busy_s"], disk_servers=self.disk_servers, nvme_read_bytes=out["read_bytes"], nvme_write_bytes=out["write_bytes"],
-            wasted_read_bytes=out["wasted_bytes"], per_shard_stall_s=stall,
+            wasted_read_bytes=out["wasted_bytes"], per_shard_stall_s=stall, io_cpu_s=io_cpu,
         )
 
     def _write_window(self, oc: np.ndarray) -> int:

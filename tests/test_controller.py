@@ -84,6 +84,12 @@ def test_adaptive_run_plans_migrates_hot_experts_and_matches_pytorch(tmp_path):
     assert (steps_df["migration_s"] > 0).any() and steps_df["plan_version"].max() == plan_version
     assignments = queries.plan_assignments(url, int(plans.loc[plans["adopted"], "plan_id"].iloc[0]))
     assert len(assignments) == len(placement)
+    # every solved plan says what its model rested on: here (the CPU computes) the store's CPU
+    # cost measured beside the training thread, and the engine's own update timings
+    models = [r["model"] for r in plans["reason"] if "model" in r]
+    assert models and all(m["io_cpu_from"].startswith("measured here") and m["io_cpu_s_per_byte"] >= 0 for m in models)
+    assert all("recorded updates" in m["update_from"] for m in models)
+    assert not list(tmp_path.rglob("zinf-io-cpu-*")), "the measurement's folder is removed"
 
     # DRAM went to the hot experts, not to the first ones in model order
     stats = queries.shard_access_stats(url, run_id).set_index("name")

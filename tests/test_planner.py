@@ -701,3 +701,36 @@ def test_a_dram_params_upload_cost_is_its_fetch_time_not_its_stall():
     assert bps == pytest.approx(1e9 / 0.04) and "fetch seconds" in how
     free, how = _copy_bandwidth(stats.assign(fetch_s=0.0))
     assert free == math.inf and "free" in how
+
+
+def test_the_stores_cpu_cost_is_charged_per_nvme_byte_in_the_simulator_and_the_stall_cost():
+    """On a CPU device the store's threads take compute from the training thread: each NVMe byte
+    moved costs io_cpu_s_per_byte on the main thread. A placement's prediction grows by exactly
+    its NVMe bytes x the cost (DRAM homes move nothing), and the linear stall cost the solver
+    ranks homes by charges each home the bytes it moves: summed over the homes, what the
+    simulator charges all-NVMe (no prefetch: every read is one the trace asks for)."""
+    wl = random_workload(3, n=24, micro_batches=2, prefetch_bytes=0)
+    cm = exact_cost_model()
+    k = 2e-9  # 2 ms per MB: a CPU with little to spare
+    costly = wl.with_io_cpu(k, "test")
+    assert costly.source["io_cpu"] == "test"
+    for placement in (wl.all_nvme_placement(), wl.all_dram_placement()):
+        plain, charged = simulate(wl, placement, cm), simulate(costly, placement, cm)
+        moved = plain.nvme_read_bytes + plain.nvme_write_bytes
+        assert charged.io_cpu_s == pytest.approx(moved * k) and plain.io_cpu_s == 0.0
+        if plain.io_bound_s == 0.0:
+            assert charged.step_s == pytest.approx(plain.step_s + moved * k)
+    assert simulate(costly, wl.all_dram_placement(), cm).io_cpu_s == 0.0
+    added = stall_cost(costly, cm)[["param_stall_s", "optim_stall_s"]] - stall_cost(wl, cm)[["param_stall_s", "optim_stall_s"]]
+    assert (added.to_numpy() >= 0).all()
+    assert float(added.to_numpy().sum()) == pytest.approx(simulate(costly, wl.all_nvme_placement(), cm).io_cpu_s, rel=1e-9)
+
+
+def test_measure_io_cpu_times_compute_alone_and_beside_the_stores_reads(tmp_path):
+    from planner.workload import measure_io_cpu
+
+    t = measure_io_cpu(tmp_path, target_s=0.03, repeats=2)
+    assert t.alone_s > 0 and t.beside_s > 0 and t.read_Bps > 0 and t.s_per_byte >= 0.0
+    assert list(tmp_path.iterdir()) == []  # its files are gone
+    print(f"\ncompute {t.alone_s * 1e3:.1f} ms alone, {t.beside_s * 1e3:.1f} ms beside reads at "
+          f"{t.read_Bps / 1e6:.0f} MB/s: {t.s_per_byte * 1e9:.3f} ms lost per MB")
