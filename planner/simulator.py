@@ -60,8 +60,10 @@ own file also rewrites it after the update. DRAM homes cost no I/O.
 
 **The store's CPU.** On a CPU device the store's request threads run on the cores torch
 computes on, and the training thread loses ``io_cpu_s_per_byte`` of compute per NVMe byte moved
-(``measure_io_cpu``: 0.45-0.51 ms per MB on the 2-core VM): ``io_cpu_s``, added to the main
-thread's time as a whole (an expected value: it does not say which phase it slows).
+(``measure_io_cpu``: 0.45-0.51 ms per MB on the 2-core VM). The measured compute already ran
+beside the measured steps' NVMe bytes (``io_cpu_base_bytes``), so ``io_cpu_s`` is the cost of the
+bytes beyond them (negative for fewer), added to the main thread's time as a whole (an expected
+value: it does not say which phase it slows).
 
 **Steady state and the step time.** The step is simulated twice when I/O is left over at its end:
 the second time the disk starts with the first run's backlog (write-backs of the previous step
@@ -133,8 +135,9 @@ class Prediction:
     wasted_read_bytes: float = 0.0
     """Prefetched bytes dropped unused (see the module docstring)."""
     io_cpu_s: float = 0.0
-    """Compute the training thread loses to the store's threads: NVMe bytes x the workload's
-    ``io_cpu_s_per_byte`` (a CPU device), added to the main thread's time."""
+    """Compute the training thread loses to the store's threads: (NVMe bytes - the workload's
+    ``io_cpu_base_bytes``, which the measured compute already holds) x ``io_cpu_s_per_byte`` (a
+    CPU device), added to the main thread's time; negative for a placement moving fewer bytes."""
     per_shard_stall_s: pd.Series | None = None
     """Stall per step caused by each shard (param fetches, gradient read-backs and writes), when asked."""
 
@@ -283,8 +286,9 @@ class Simulator:
         else:
             out = first
         wl = self.workload
-        # the store's threads computing on the training thread's cores (a CPU device)
-        io_cpu = (out["read_bytes"] + out["write_bytes"]) * wl.io_cpu_s_per_byte
+        # the store's threads computing on the training thread's cores (a CPU device), beyond what
+        # the measured compute already ran beside (negative: a placement moving fewer bytes)
+        io_cpu = (out["read_bytes"] + out["write_bytes"] - wl.io_cpu_base_bytes) * wl.io_cpu_s_per_byte
         main_s = out["forward_s"] + out["backward_s"] + out["optimizer_s"] + io_cpu
         disk_s = out["disk_busy_s"] / self.disk_servers  # the disk's own time: its servers work at once
         io_bound = max(0.0, disk_s - main_s)

@@ -165,6 +165,10 @@ class Workload:
     """Compute seconds the training thread loses per NVMe byte the store moves (a CPU device: the
     store's request threads run on the cores torch computes on; :func:`measure_io_cpu`, 0.45-0.51
     ms per MB on the 2-core VM). 0 with a GPU computing, or where not measured."""
+    io_cpu_base_bytes: float = 0.0
+    """NVMe bytes per step (read + written) of the measured steps: their compute (phase time -
+    stall) already ran beside these, so a placement is charged ``io_cpu_s_per_byte`` only for the
+    bytes it moves beyond them (and credited for those it moves less)."""
     reserved_dram_bytes: int = 0
     """DRAM the homes cannot use: working set + staging buffers + wanted overlap."""
     measured_step_s: float | None = None
@@ -395,6 +399,7 @@ class Workload:
 
         # -- step-level numbers (medians over the steps used)
         med = {c: float(used[c].median()) for c in ("wall_s", "forward_s", "backward_s", "optimizer_s", "stall_s")}
+        nvme_moved = used["read_nvme_bytes"] + used["written_nvme_bytes"] if "read_nvme_bytes" in used else None
         fb = used["forward_s"] + used["backward_s"]
         compute_frac = ((fb - used["stall_s"]).clip(lower=0) / fb.where(fb > 0)).fillna(1.0)
         compute_fwd_s = float((used["forward_s"] * compute_frac).median())
@@ -443,6 +448,7 @@ class Workload:
             disk_servers=max(2, int(cfg.aio.thread_count)),
             cpu_contention=1.0 if device == "cpu" else 0.0,
             measured_step_s=med["wall_s"],
+            io_cpu_base_bytes=float(nvme_moved.median()) if nvme_moved is not None else 0.0,
             measured=med,
             measured_placement={n: {"param": str(p), "optim": str(o)} for n, p, o in zip(df["shard"], df["param_tier"], df["optim_tier"])},
             source=source,

@@ -10,6 +10,7 @@ The cost model of the synthetic tests is fitted (``CostModel.fit``) from exact s
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import math
 import time
 
@@ -683,6 +684,9 @@ def test_a_profiles_fetch_overhead_and_update_cost_are_the_recorded_ones(tmp_pat
     assert "recorded updates" in wl.source["update"] and wl.update_s_per_elem > 0
     assert wl.source["fetch_overhead"].startswith("recorded overhead per fetch")
     first, last = wl.source["steps"]
+    used = queries.steps(url, run_id).query("@first <= step <= @last")
+    assert wl.io_cpu_base_bytes > 0
+    assert wl.io_cpu_base_bytes == pytest.approx(float((used["read_nvme_bytes"] + used["written_nvme_bytes"]).median()))
     stats = queries.shard_access_stats(url, run_id, first_step=first, last_step=last)
     one = stats[(stats["param_tier"] == "nvme") & ~stats["name"].str.match(r"^chunk\d+:")]
     fetches = one["forward_accesses"] + one["backward_accesses"]  # no prefetch, nothing kept: each access reads
@@ -721,6 +725,12 @@ def test_the_stores_cpu_cost_is_charged_per_nvme_byte_in_the_simulator_and_the_s
         if plain.io_bound_s == 0.0:
             assert charged.step_s == pytest.approx(plain.step_s + moved * k)
     assert simulate(costly, wl.all_dram_placement(), cm).io_cpu_s == 0.0
+    # a profile's measured compute already ran beside its own NVMe bytes: only the rest is charged
+    nvme = simulate(wl, wl.all_nvme_placement(), cm)
+    base = 0.5 * (nvme.nvme_read_bytes + nvme.nvme_write_bytes)
+    based = replace(costly, io_cpu_base_bytes=base)
+    assert simulate(based, wl.all_nvme_placement(), cm).io_cpu_s == pytest.approx(base * k)
+    assert simulate(based, wl.all_dram_placement(), cm).io_cpu_s == pytest.approx(-base * k)
     added = stall_cost(costly, cm)[["param_stall_s", "optim_stall_s"]] - stall_cost(wl, cm)[["param_stall_s", "optim_stall_s"]]
     assert (added.to_numpy() >= 0).all()
     assert float(added.to_numpy().sum()) == pytest.approx(simulate(costly, wl.all_nvme_placement(), cm).io_cpu_s, rel=1e-9)
