@@ -1092,15 +1092,14 @@ class AdaptiveController:
         # changes, from up to rate_window_periods re-plan periods, so that a few tokens a step do
         # not make every plan chase noise (churn).
         def profile(rate: str) -> Workload:
-            return Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
-                                         rate_steps=max(2, self._rate_window(step)), rate=rate,
-                                         long_halflife_steps=self._long_halflife,
-                                         short_halflife_steps=self._short_halflife, until_step=step,
-                                         measured_update=self._update_timing)
+            wl = Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
+                                       rate_steps=max(2, self._rate_window(step)), rate=rate,
+                                       long_halflife_steps=self._long_halflife,
+                                       short_halflife_steps=self._short_halflife, until_step=step,
+                                       measured_update=self._update_timing)
+            return wl if self._io_cpu is None else wl.with_io_cpu(*self._io_cpu)
 
         workload = profile("long")
-        if self._io_cpu is not None:
-            workload = workload.with_io_cpu(*self._io_cpu)
         if "accesses_max" in workload.shards:
             self._caps = workload.shards["accesses_max"].astype(float).set_axis(workload.shards["shard"])
         # both EWMAs of every shard's accesses, whichever filled the workload's phase columns
@@ -1111,8 +1110,6 @@ class AdaptiveController:
         if shifted:
             # the same profile again, its phase columns from the short EWMA (rare: a routing change)
             workload = profile("short")
-            if self._io_cpu is not None:
-                workload = workload.with_io_cpu(*self._io_cpu)
             self._rates_from_step = max(self._rates_from_step, step - s.drift_steps)  # the next plans' window
         constant = _rate_change(short_rates, rates) < s.constant_rate_change
         if not drifted and not shifted and self._unchanged(engine, workload):

@@ -399,7 +399,7 @@ class Workload:
 
         # -- step-level numbers (medians over the steps used)
         med = {c: float(used[c].median()) for c in ("wall_s", "forward_s", "backward_s", "optimizer_s", "stall_s")}
-        nvme_moved = used["read_nvme_bytes"] + used["written_nvme_bytes"] if "read_nvme_bytes" in used else None
+        nvme_moved = used["read_nvme_bytes"] + used["written_nvme_bytes"]
         fb = used["forward_s"] + used["backward_s"]
         compute_frac = ((fb - used["stall_s"]).clip(lower=0) / fb.where(fb > 0)).fillna(1.0)
         compute_fwd_s = float((used["forward_s"] * compute_frac).median())
@@ -448,7 +448,7 @@ class Workload:
             disk_servers=max(2, int(cfg.aio.thread_count)),
             cpu_contention=1.0 if device == "cpu" else 0.0,
             measured_step_s=med["wall_s"],
-            io_cpu_base_bytes=float(nvme_moved.median()) if nvme_moved is not None else 0.0,
+            io_cpu_base_bytes=float(nvme_moved.median()),
             measured=med,
             measured_placement={n: {"param": str(p), "optim": str(o)} for n, p, o in zip(df["shard"], df["param_tier"], df["optim_tier"])},
             source=source,
