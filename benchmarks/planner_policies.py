@@ -4,7 +4,7 @@ One command::
 
     .venv/bin/python benchmarks/planner_policies.py --path DIR [--workload moe|gpt|both]
         [--budgets 0.2,0.3,0.5] [--policies nvme,max_in_cpu,adaptive] [--steps 8] [--warmup 12]
-        [--rounds 3] [--replan-every 4] [--drift-at STEP] [--quick] [--json FILE]
+        [--rounds 3] [--block 8] [--replan-every 4] [--drift-at STEP] [--quick] [--json FILE]
 
 What is measured, for every (workload, DRAM budget, policy):
 
@@ -46,20 +46,28 @@ The training state is 20 bytes per parameter (fp32 param, grad, master, exp_avg,
   all-NVMe. It needs an engine with a placement controller (``engine.controller``); without one the
   harness prints ``adaptive: not available in this checkout`` and no number.
 
-Fairness on a shared, drifting disk: every run builds a fresh engine from a copy of the same model
-and data. Within a round the (budget, policy) runs are done one after another, with the policy
-order rotated from round to round (round 0: nvme, max_in_cpu, adaptive; round 1: max_in_cpu,
-adaptive, nvme; ...), and the medians pool the steps of every round; the table also shows the
-spread (min-max) of the per-round medians. Before the first round, one short run is thrown away
-(the process's own warm-up). Runs are not interleaved step by step: one engine's write-behind
-would then land in another's step. The swap files live in a fresh directory under
-``--path``, deleted at the end (also on error or Ctrl-C).
+Fairness on a shared, drifting machine: every run builds a fresh engine from a copy of the same
+model and data. The policies of one budget run **side by side** (``--block``, default 8): their
+engines exist at once and take turns, a block of optimizer steps each; before the next engine's
+block an engine drains its background work (``engine.drain()``: updates, prefetches,
+write-behind), so none of one lands in another's steps, and the first step after a pause (nothing
+prefetched) is not measured. A slow phase of the machine (on the shared 2-core VM, tens of steps
+~20% slower, whatever runs) then falls on every policy alike instead of on whichever ran at the
+time: with whole runs one after another, ``max_in_cpu``'s placement measured 0.46 s in each of
+three rounds and the adaptive run in that same placement 0.49-0.56 s. The policy order rotates
+from round to round (round 0: nvme, max_in_cpu, adaptive; round 1: max_in_cpu, adaptive, nvme;
+...), and the medians pool the steps of every round; the table also shows the spread (min-max) of
+the per-round medians. Before the first round, one short run is thrown away (the process's own
+warm-up). ``--block 0`` runs one whole run after another instead. Each policy has its own folder
+under a fresh directory under ``--path`` (shard files; the adaptive runs' profile database),
+deleted at the end (also on error or Ctrl-C).
 
 ``--drift-at S`` (moe): after the table, one more adaptive run per budget that calls
 ``set_routing(model, seed=routing_seed + 1)`` before step S (the hot set moves) and prints every
 step's time from S - 2 on, with the engine's plan version, so that the recovery is visible; the
 step by which the first plan after the change was adopted; and a reference run of as many steps
-with the new routing from the start, whose settled step is what "recovered" means at that budget.
+with the new routing from the start, whose settled step is what "recovered" means at that budget;
+the two run side by side like the policies.
 """
 
 from __future__ import annotations
@@ -240,6 +248,7 @@ class Run:
     nvme_bytes: list[int] = field(default_factory=list)
     dram_homes: str = ""  # what the placement keeps in DRAM at the end
     per_step: list[tuple[int, float, int]] = field(default_factory=list)  # (step, seconds, plan version)
+    cold_steps: set[int] = field(default_factory=set)  # steps right after a pause (side by side): not measured
     # adaptive only, over the measured steps: |predicted - measured| / measured of each step whose
     # placement had landed (no migration in it, no plan made after it), the bytes each adopted
     # plan migrated, and the homes sent back within a few plans (the policy's ping-pong count)
@@ -270,56 +279,130 @@ def dram_homes(engine) -> str:
     return f"{n_param}+{n_optim}/{len(engine.placement)}"
 
 
-def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller: bool = False,
-          drift_at: int | None = None) -> Run:
-    """Build an engine on a copy of the workload's model, train warmup + steps optimizer steps."""
-    try:
-        engine = zinf.initialize(copy.deepcopy(w.model), config)
-    except BudgetError as e:
-        return Run("refused", str(e).split(";")[0])
-    run = Run()
-    with engine:
-        if need_controller and getattr(engine, "controller", None) is None:
-            return Run("unavailable", "engine has no placement controller (engine.controller)")
-        micro = 0
-        prediction, versions_before = None, engine.plan_version
-        pingpong_before = verified_before = skipped_before = 0
-        for step in range(warmup + steps):
-            if need_controller and step == warmup:  # the steady state starts here
+class Trainer:
+    """One engine's life, a block of optimizer steps at a time, so that several engines can run
+    side by side (:func:`side_by_side`): build it, :meth:`advance`, :meth:`pause` between blocks,
+    :meth:`finish` for its :class:`Run`. A step right after a pause is not measured: the engine
+    drained its prefetches there, and a step that starts with nothing prefetched is not a steady one."""
+
+    def __init__(self, w: Workload, config: dict, warmup: int, steps: int, *, need_controller: bool = False,
+                 drift_at: int | None = None) -> None:
+        self.w, self.warmup, self.total = w, warmup, warmup + steps
+        self.need_controller, self.drift_at = need_controller, drift_at
+        self.step = self.micro = 0
+        self.cold = False  # the next step follows a pause
+        self.engine = None
+        try:
+            self.engine = zinf.initialize(copy.deepcopy(w.model), config)
+        except BudgetError as e:
+            self.run = Run("refused", str(e).split(";")[0])
+            return
+        self.run = Run()
+        if need_controller and getattr(self.engine, "controller", None) is None:
+            self.run = Run("unavailable", "engine has no placement controller (engine.controller)")
+            self.engine.close()
+            self.engine = None
+            return
+        self.prediction, self.versions_before = None, self.engine.plan_version
+        self.pingpong_before = self.verified_before = self.skipped_before = 0
+
+    @property
+    def done(self) -> bool:
+        return self.engine is None or self.step >= self.total
+
+    def advance(self, n: int | None = None) -> None:
+        """Train up to ``n`` more optimizer steps (without ``n``: every step left)."""
+        engine, run, w = self.engine, self.run, self.w
+        stop = self.total if n is None else min(self.total, self.step + n)
+        while self.step < stop:
+            step = self.step
+            if self.need_controller and step == self.warmup:  # the steady state starts here
                 c = engine.controller
-                run.plans_seen, pingpong_before, verified_before = c.plans_made, c.policy.pingpong_total, len(c.verified)
-                skipped_before = getattr(c, "plans_skipped", 0)
-            if drift_at is not None and step == drift_at:
+                run.plans_seen, self.pingpong_before, self.verified_before = c.plans_made, c.policy.pingpong_total, len(c.verified)
+                self.skipped_before = getattr(c, "plans_skipped", 0)
+            if self.drift_at is not None and step == self.drift_at:
                 new = set_routing(engine.module, seed=engine.module.config.routing_seed + 1)
                 run.note = f"set_routing(seed={new.routing_seed}) before step {step}"
             traffic = engine.traffic_total
             before_b = traffic.read["nvme"] + traffic.written["nvme"]
             t0 = time.perf_counter()
             for _ in range(w.grad_accum):
-                x, y = w.data.get(micro)
-                micro += 1
+                x, y = w.data.get(self.micro)
+                self.micro += 1
                 engine.backward(engine(x, y))
                 engine.step()
             dt = time.perf_counter() - t0
             moved_b = engine.traffic_total.read["nvme"] + engine.traffic_total.written["nvme"] - before_b
             run.per_step.append((step, dt, getattr(engine, "plan_version", 0)))
-            if step >= warmup:
-                run.step_s.append(dt)
-                run.nvme_bytes.append(moved_b)
-                if need_controller:
-                    track_controller(engine, dt, run, prediction, versions_before)
-                    run.sampled += getattr(engine.controller, "detail_every", 1) > 1
-            prediction = getattr(engine.controller, "predicted_step_s", None) if need_controller else None
-            versions_before = engine.plan_version
+            cold, self.cold = self.cold, False
+            if cold:
+                run.cold_steps.add(step)
+            if step >= self.warmup:
+                if not cold:
+                    run.step_s.append(dt)
+                    run.nvme_bytes.append(moved_b)
+                if self.need_controller:  # plans and moves count in every step; predictions in measured ones
+                    track_controller(engine, dt, run, None if cold else self.prediction, self.versions_before)
+                    run.sampled += not cold and getattr(engine.controller, "detail_every", 1) > 1
+            self.prediction = getattr(engine.controller, "predicted_step_s", None) if self.need_controller else None
+            self.versions_before = engine.plan_version
+            self.step += 1
+
+    def pause(self) -> None:
+        """Let this engine's background work finish before another engine's block starts."""
+        if self.engine is not None and not self.done:
+            self.engine.drain()
+            self.cold = True
+
+    def finish(self) -> Run:
+        """Close the engine (idempotent) and return the run."""
+        engine, run = self.engine, self.run
+        if engine is None:
+            return run
+        self.engine = None
         run.dram_homes = dram_homes(engine)
         run.shards = len(engine.placement)
-        if need_controller:
+        if self.need_controller:
             c = engine.controller
             run.pingpong = c.policy.pingpong_total
-            run.steady_pingpong = c.policy.pingpong_total - pingpong_before
-            run.not_solved = getattr(c, "plans_skipped", 0) - skipped_before
-            run.plan_err = [abs(v["predicted_s"] - v["measured_s"]) / v["measured_s"] for v in c.verified[verified_before:]]
-    return run
+            run.steady_pingpong = c.policy.pingpong_total - self.pingpong_before
+            run.not_solved = getattr(c, "plans_skipped", 0) - self.skipped_before
+            run.plan_err = [abs(v["predicted_s"] - v["measured_s"]) / v["measured_s"] for v in c.verified[self.verified_before:]]
+        engine.close()
+        return run
+
+
+def folder(swap: Path, name: str) -> Path:
+    """A policy's own folder under the swap directory (its shard files and, adaptive, its profile
+    database): engines that run side by side must not share either."""
+    path = swap / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def side_by_side(trainers: list[Trainer], block: int) -> list[Run]:
+    """Run the trainers' steps in turn, ``block`` steps each (0: one whole run after another), and
+    return their runs. Each engine drains its background work before the next one's block, so no
+    write-behind of one lands in another's steps; a slow phase of a shared machine (minutes of a
+    noisy neighbour) then falls on every policy alike instead of on whichever ran at the time."""
+    try:
+        while any(not t.done for t in trainers):
+            for t in trainers:
+                if t.done:
+                    continue
+                t.advance(block or None)
+                if sum(not u.done for u in trainers) > 1:
+                    t.pause()
+        return [t.finish() for t in trainers]
+    finally:
+        for t in trainers:
+            t.finish()
+
+
+def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller: bool = False,
+          drift_at: int | None = None) -> Run:
+    """Build an engine on a copy of the workload's model, train warmup + steps optimizer steps."""
+    return side_by_side([Trainer(w, config, warmup, steps, need_controller=need_controller, drift_at=drift_at)], 0)[0]
 
 
 def track_controller(engine, step_s: float, run: Run, prediction: float | None, version_before: int) -> None:
@@ -465,6 +548,7 @@ def sweep(w: Workload, budgets: list[float], policies: list[str], swap: Path, ar
         order = policies[r % len(policies):] + policies[: r % len(policies)]  # rotate per round
         for b in budgets:
             budget_bytes = int(b * w.state_bytes)
+            trainers: dict[str, Trainer] = {}
             for p in order:
                 cell = cells[b][p]
                 if p == "adaptive" and adaptive_missing:
@@ -473,10 +557,11 @@ def sweep(w: Workload, budgets: list[float], policies: list[str], swap: Path, ar
                     cell.runs.append(Run("refused", "the budget is below the working set even with max_in_cpu 0"))
                     continue
                 n = start_n[b] if p == "adaptive" else cell.max_in_cpu or 0
-                cfg = policy_config(w, p, swap, budget_bytes, max_in_cpu=n, replan_every=args.replan_every,
+                cfg = policy_config(w, p, folder(swap, p), budget_bytes, max_in_cpu=n, replan_every=args.replan_every,
                                     plan_lag=args.plan_lag)
-                run = train(w, cfg, args.warmup, args.steps, need_controller=(p == "adaptive"))
-                cell.runs.append(run)
+                trainers[p] = Trainer(w, cfg, args.warmup, args.steps, need_controller=(p == "adaptive"))
+            for p, run in zip(trainers, side_by_side(list(trainers.values()), args.block)):
+                cells[b][p].runs.append(run)
                 adaptive_missing |= p == "adaptive" and run.status == "unavailable"
                 shown = f"{statistics.median(run.step_s):.3f} s" if run.step_s else run.status
                 print(f"  round {r + 1}/{args.rounds} {w.name} budget {b:.0%} {p:<10} {shown}", flush=True)
@@ -565,9 +650,15 @@ def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[f
     w_new = replace(w, model=moved)
     for b in budgets:
         n = largest_max_in_cpu(w, swap, int(b * w.state_bytes)) if args.adaptive_start == "max_in_cpu" else 0
-        cfg = policy_config(w, "adaptive", swap, int(b * w.state_bytes), max_in_cpu=n or 0, replan_every=args.replan_every,
-                            plan_lag=args.plan_lag)
-        run = train(w, cfg, warmup=total, steps=0, need_controller=True, drift_at=args.drift_at)
+
+        def cfg(name: str) -> dict:
+            return policy_config(w, "adaptive", folder(swap, name), int(b * w.state_bytes), max_in_cpu=n or 0,
+                                 replan_every=args.replan_every, plan_lag=args.plan_lag)
+
+        # the drifted run and its reference side by side, like the policies of the table
+        run, reference = side_by_side([
+            Trainer(w, cfg("drifted"), warmup=total, steps=0, need_controller=True, drift_at=args.drift_at),
+            Trainer(w_new, cfg("reference"), warmup=total, steps=0, need_controller=True)], args.block)
         if run.status == "unavailable":
             print("\ndrift: adaptive: not available in this checkout")
             return verdicts
@@ -575,10 +666,9 @@ def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[f
             print(f"\ndrift at {b:.0%}: {run.status} ({run.note})")
             verdicts.append(f"drift at {b:.0%}: {run.status}")
             continue
-        reference = train(w_new, cfg, warmup=total, steps=0, need_controller=True)
-        times = [dt for _, dt, _ in run.per_step]
-        before = times[max(0, args.drift_at - args.steps): args.drift_at]
-        after = times[-args.steps:]
+        times = run.per_step
+        before = measured(times[max(0, args.drift_at - args.steps): args.drift_at], run)
+        after = measured(times[-args.steps:], run)
         best = best_static(cells[b]) if b in cells else None
         print(f"\ndrift at {b:.0%}: {run.note}; median step before {statistics.median(before):.3f} s, "
               f"last {len(after)} steps {statistics.median(after):.3f} s"
@@ -587,7 +677,7 @@ def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[f
         print("  " + when)
         ratio = None
         if reference.status == "ok":
-            settled = statistics.median([dt for _, dt, _ in reference.per_step][-args.steps:])
+            settled = statistics.median(measured(reference.per_step[-args.steps:], reference))
             ratio = statistics.median(after) / settled
             print(f"  reference: adaptive on the new routing (seed {seed}) from step 0, last {args.steps} steps "
                   f"{settled:.3f} s; the drifted run's last {args.steps} / that = {ratio:.2f}")
@@ -601,8 +691,16 @@ def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[f
         print("  step  step_s  plan_version")
         for s, dt, version in run.per_step:
             if s >= args.drift_at - 2:
-                print(f"  {s:4d}  {dt:6.3f}  {version}{'   <- routing changed before this step' if s == args.drift_at else ''}")
+                notes = (["routing changed before this step"] if s == args.drift_at else []) + \
+                        (["after a pause: not measured"] if s in run.cold_steps else [])
+                print(f"  {s:4d}  {dt:6.3f}  {version}" + (f"   <- {'; '.join(notes)}" if notes else ""))
     return verdicts
+
+
+def measured(steps: list[tuple[int, float, int]], run: Run) -> list[float]:
+    """The seconds of those of ``steps`` (from ``run.per_step``) that were measured: none right
+    after a pause."""
+    return [dt for step, dt, _ in steps if step not in run.cold_steps]
 
 
 def first_plan_after(run: Run, drift_at: int, replan_every: int) -> tuple[float | None, str]:
@@ -666,6 +764,11 @@ def main() -> None:
     ap.add_argument("--drift-at", type=int, help="moe: extra adaptive runs with set_routing(...) before this step")
     ap.add_argument("--quick", action="store_true", help="tiny models, for a smoke run")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--keep-db", type=Path, help="a directory to copy the adaptive runs' profile databases (SQLite) to at the end")
+    ap.add_argument("--block", type=int, default=8,
+                    help="the policies of one budget run side by side, this many optimizer steps each in turn "
+                         "(each engine drains its background work before the next one's block; the step after "
+                         "is not measured); 0: one whole run after another")
     ap.add_argument("--log-plans", action="store_true", help="print the adaptive planner's log (every plan and why)")
     ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                     help="zinf.device of every run (default cpu: the workloads are sized for CPU compute)")
@@ -676,8 +779,8 @@ def main() -> None:
         if p not in POLICIES:
             raise SystemExit(f"unknown policy {p!r}; use {', '.join(POLICIES)}")
     args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 3)
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
-        raise SystemExit("--steps and --rounds must be >= 1, --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.block < 0:
+        raise SystemExit("--steps and --rounds must be >= 1, --warmup and --block >= 0")
     if args.drift_at is not None and args.drift_at < 1:
         raise SystemExit("--drift-at must be >= 1 (a step with steps before it)")
     torch.set_num_threads(os.cpu_count() or 1)
@@ -695,8 +798,9 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({os.cpu_count()} cores), zinf.device {DEVICE}"
           + (f" ({torch.cuda.get_device_name()})" if DEVICE != "cpu" and torch.cuda.is_available() else "")
           + f", {fs.fstype} at {args.path}; "
-          f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} measured steps) per (budget, policy); "
-          f"adaptive plans {plan_lag_text(args.plan_lag)}; "
+          f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} measured steps) per (budget, policy), "
+          + (f"the policies side by side in blocks of {args.block} steps; " if args.block else "one run after another; ")
+          + f"adaptive plans {plan_lag_text(args.plan_lag)}; "
           f"load average {load_average()} (other work on the machine skews every number)")
     swap = args.path / f"planner-policies-{os.getpid()}"
     results: dict[str, dict[float, dict[str, Cell]]] = {}
@@ -713,6 +817,13 @@ def main() -> None:
             if name == "moe" and args.drift_at is not None and "adaptive" in policies:
                 drift_verdicts = drift_run(w, budgets, swap, args, results[name])
     finally:
+        if args.keep_db is not None:
+            # the adaptive runs' profiles (one database per folder, one run id per run, in run
+            # order), for replaying their plans
+            args.keep_db.mkdir(parents=True, exist_ok=True)
+            for db in sorted(swap.glob("*/profile.db")):
+                shutil.copy2(db, args.keep_db / f"{db.parent.name}.db")
+                print(f"profile database of the {db.parent.name} runs kept at {args.keep_db / (db.parent.name + '.db')}")
         shutil.rmtree(swap, ignore_errors=True)
 
     print(f"\nload average at the end {load_average()} (1, 5, 15 min)")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zinf
+from zinf.errors import ModelError
 from zinf.events import IoDone, ListRecorder
 
 from conftest import placement_config
@@ -191,3 +192,42 @@ def test_500_steps_of_divergent_moe_routing_finish_within_the_pools(tmp_path):
     assert 0 < result["peak"] <= granted, (result["peak"], engine.dram_need)
     first, last = result["losses"][:50], result["losses"][-50:]
     assert sum(last) / 50 < sum(first) / 50, "the loss did not fall over 500 steps"
+
+
+def test_two_engines_side_by_side_drained_between_blocks_both_match_pytorch(tmp_path):
+    """``engine.drain()`` between blocks of steps (how benchmarks/planner_policies.py runs the
+    policies side by side) leaves nothing in flight and changes no number; mid-step it refuses."""
+    make, gas, clip = MODELS["gpt_accum4_clip"]
+    model, data = make()
+    ref_losses, ref_params = train_plain(copy.deepcopy(model), data, gas, clip, steps=6)
+    engines = []
+    for name in ("a", "b"):  # both on NVMe: prefetch and write-behind are in use
+        config = placement_config("nvme", tmp_path / name, model)
+        config = dict(config, optimizer=OPT, gradient_accumulation_steps=gas, gradient_clipping=clip,
+                      train_micro_batch_size_per_gpu=4)
+        engines.append(zinf.initialize(copy.deepcopy(model), config))
+    losses = {id(e): [] for e in engines}
+    try:
+        for block in range(0, 6, 2):  # steps 0-1, 2-3, 4-5 of each engine in turn
+            for engine in engines:
+                for step in range(block, block + 2):
+                    for k in range(gas):
+                        loss = engine(*data.get(step * gas + k))
+                        losses[id(engine)].append(loss.item())
+                        engine.backward(loss)
+                        if step == block and k == 0:
+                            with pytest.raises(ModelError, match="between optimizer steps"):
+                                engine.drain()
+                        engine.step()
+                engine.drain()
+                assert engine._writes.in_flight_bytes == 0 and not engine._writes._futures
+        assert engines[0].overlap.prefetch_bytes > 0 and engines[0].overlap.write_bytes > 0, "overlap must be on"
+        for engine in engines:
+            assert len(losses[id(engine)]) == len(ref_losses)
+            assert max(abs(a - b) for a, b in zip(losses[id(engine)], ref_losses)) <= TOL
+            params = engine.state_dict()
+            for name, ref_p in ref_params.items():
+                assert (params[name] - ref_p).abs().max().item() <= TOL, name
+    finally:
+        for engine in engines:
+            engine.close()

@@ -1808,6 +1808,16 @@ class Engine:
             store.close()  # finishes the requests in flight first
         self._stores = {}
 
+    def drain(self) -> None:
+        """Between optimizer steps: wait for the engine's background work (updates, prefetches,
+        write-behind) so that none of it is left in flight; the next step starts with nothing
+        prefetched. Raises the first error a background request met. For handing the disk and
+        cores to other work - e.g. timing several engines side by side, a block of steps each."""
+        self._check_open()
+        if self._step_timer.running:
+            raise ModelError("engine.drain() is for between optimizer steps; call it after engine.step()")
+        self._drain()
+
     def close(self) -> None:
         """Remove hooks, flush the recorder and delete this run's swap files. Idempotent."""
         if self._closed:
