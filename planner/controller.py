@@ -31,7 +31,9 @@ optimizer step the engine asks it for moves:
    recent plan moved are not sent back while their accesses stay the same (the policy's
    ping-pong hold); and a scheduled re-plan whose inputs have not changed since the last plan
    solved (same placement, accesses and step) is recorded without solving again
-   (:meth:`AdaptiveController._unchanged`), which keeps a dense model's re-plan steps cheap.
+   (:meth:`AdaptiveController._unchanged`), which keeps a dense model's re-plan steps cheap;
+   and while a dense model's re-plans keep the placement, the period to the next one doubles,
+   up to ``quiet_backoff_max`` x ``replan_every`` (:attr:`AdaptiveController.replan_period`).
    A kept plan is judged once more over all the steps of its placement when the next plan is due
    (:meth:`AdaptiveController._judge_again`). "The accesses changed" (for the realised gains, the
    model's error and retrying a reverted plan) must be beyond the counts' noise
@@ -183,6 +185,17 @@ class ControllerSettings:
     resolve_every_plans: int = 4
     """Solve at least every this many scheduled re-plans even when nothing changed (the disk's
     cost model is refitted from new samples then)."""
+
+    quiet_backoff_max: int = 8
+    """While every shard's accesses are the same every step (a dense model: the short and the long
+    EWMA agree within ``constant_rate_change``) and scheduled re-plans keep the placement, the
+    period to the next scheduled re-plan doubles after each such plan, up to this many times
+    ``replan_every``; an adopted or reverted plan, a drift of the step time or accesses that vary
+    start again at ``replan_every``. A re-plan reads the profile even when it solves nothing
+    (~0.5 s of a step on the 2-core VM): on the dense GPT every 8 steps that was 2-9% of its
+    median step against ``max_in_cpu``'s identical placement. A routed model's accesses are never
+    the same every step, so its re-plans - and its response to a routing change - keep the period.
+    1: never back off."""
 
     sparse_detail_every: int = 8
     """While every shard's accesses per step are the same in every step (a dense model: the short
@@ -531,6 +544,7 @@ class AdaptiveController:
         self.plans_skipped = 0  # scheduled re-plans not solved: nothing had changed
         self._last_solved: _Solved | None = None
         self._skipped_in_row = 0
+        self._quiet_plans = 0  # scheduled re-plans in a row that kept the placement of a dense model (replan_period)
         self.detail_every = 1  # the recorder's shard-detail sampling period this controller set
         self._caps: "pd.Series | None" = None  # each shard's most accesses in one step (newest profile read)
         self._step_now = 0  # the engine's step at the last after_step
@@ -868,7 +882,9 @@ class AdaptiveController:
         drifted = self._drifted()
         if drifted:
             self._split_drifted()
-        if not drifted and step - self._last_plan_step < s.replan_every:
+        if drifted:
+            self._quiet_plans = 0
+        if not drifted and step - self._last_plan_step < self.replan_period:
             return None
         if self._rejudge is not None and drifted:
             self._rejudge = None  # the steps drifted from the prediction: no longer comparable with the ones before it
@@ -1115,6 +1131,7 @@ class AdaptiveController:
         if not drifted and not shifted and self._unchanged(engine, workload):
             self._record_unchanged(engine, step, workload)
             self._sample_detail(constant)
+            self._kept_quietly(constant and not drifted)
             return None
         self._skipped_in_row = 0
         # the disk as it behaves lately (the samples of the rate window; a long run's whole
@@ -1205,8 +1222,10 @@ class AdaptiveController:
         if not decision.adopt:
             self._predicted_step_s = current_step_s
             self._sample_detail(constant)
+            self._kept_quietly(constant and not drifted and not shifted)
             return None
         self._sample_detail(False)  # the new placement's steps are measured in full
+        self._quiet_plans = 0
         self._rejudge = None  # its placement is being replaced
         self.plans_adopted += 1
         # a reaction's homes are provisional: the plans after it, with more steps of the new
@@ -1244,6 +1263,22 @@ class AdaptiveController:
         seconds = float(cost.predict_s("nvme", "read", 0))
         return workload.with_fetch_overhead(seconds, f"no NVMe param fetch measured yet: the latency of one read "
                                                      f"({seconds * 1e3:.2f} ms) assumed", measured=False)
+
+    @property
+    def replan_period(self) -> int:
+        """Steps from one scheduled re-plan to the next: ``replan_every``, doubled after each
+        quiet plan up to ``quiet_backoff_max`` times it (see :attr:`ControllerSettings.quiet_backoff_max`)."""
+        s = self.settings
+        return s.replan_every * min(max(1, s.quiet_backoff_max), 2 ** min(self._quiet_plans, 30))
+
+    def _kept_quietly(self, quiet: bool) -> None:
+        """Count a scheduled re-plan that kept the placement while every shard's accesses were the
+        same every step (``quiet``); anything else starts the count again."""
+        before = self.replan_period
+        self._quiet_plans = self._quiet_plans + 1 if quiet else 0
+        if self.replan_period != before:
+            log.info("zinf planner: next scheduled re-plan in %d steps (the placement kept, the accesses the same "
+                     "every step)", self.replan_period)
 
     def _sample_detail(self, sparse: bool) -> None:
         """Have the recorder record the shard detail of every step, or - ``sparse``: the accesses
@@ -1350,6 +1385,7 @@ class AdaptiveController:
         self._rejudge = None
         self._predicted_step_s = check.before_s
         self._sample_detail(False)
+        self._quiet_plans = 0
         if not moves:
             return None
         self.plans_made += 1

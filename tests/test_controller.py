@@ -766,3 +766,23 @@ def test_an_unmeasured_fetch_overhead_is_a_reads_latency_until_measured():
     assert c._fetch_overhead_known(measured, cost, 16).fetch_overhead_s == 0.0007
     later = c._fetch_overhead_known(unmeasured, cost, 40)
     assert later.fetch_overhead_s == 0.0007 and "step 16" in later.source["fetch_overhead"]
+
+
+def test_a_dense_models_quiet_replans_double_the_period_up_to_the_cap():
+    """replan_period: replan_every, doubled after each scheduled re-plan that kept the placement
+    while the accesses were the same every step, up to quiet_backoff_max x replan_every; any
+    other plan (varying accesses, an adoption - see _plan) starts again at replan_every."""
+    from planner.controller import AdaptiveController, ControllerSettings
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(replan_every=8, quiet_backoff_max=8))
+    assert c.replan_period == 8
+    periods = []
+    for _ in range(5):
+        c._kept_quietly(True)
+        periods.append(c.replan_period)
+    assert periods == [16, 32, 64, 64, 64]
+    c._kept_quietly(False)  # the accesses varied (a routed model), or the plan was a reaction
+    assert c.replan_period == 8
+    never = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(replan_every=8, quiet_backoff_max=1))
+    never._kept_quietly(True)
+    assert never.replan_period == 8
