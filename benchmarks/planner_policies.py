@@ -360,15 +360,18 @@ class Trainer:
         if engine is None:
             return run
         self.engine = None
-        run.dram_homes = dram_homes(engine)
-        run.shards = len(engine.placement)
-        if self.need_controller:
-            c = engine.controller
-            run.pingpong = c.policy.pingpong_total
-            run.steady_pingpong = c.policy.pingpong_total - self.pingpong_before
-            run.not_solved = getattr(c, "plans_skipped", 0) - self.skipped_before
-            run.plan_err = [abs(v["predicted_s"] - v["measured_s"]) / v["measured_s"] for v in c.verified[self.verified_before:]]
-        engine.close()
+        try:
+            run.dram_homes = dram_homes(engine)
+            run.shards = len(engine.placement)
+            if self.need_controller:
+                c = engine.controller
+                run.pingpong = c.policy.pingpong_total
+                run.steady_pingpong = c.policy.pingpong_total - self.pingpong_before
+                run.not_solved = getattr(c, "plans_skipped", 0) - self.skipped_before
+                run.plan_err = [abs(v["predicted_s"] - v["measured_s"]) / v["measured_s"]
+                                for v in c.verified[self.verified_before:]]
+        finally:
+            engine.close()
         return run
 
 

@@ -882,8 +882,7 @@ class AdaptiveController:
         drifted = self._drifted()
         if drifted:
             self._split_drifted()
-        if drifted:
-            self._quiet_plans = 0
+            self._quiet_plans = 0  # back to replan_every
         if not drifted and step - self._last_plan_step < self.replan_period:
             return None
         if self._rejudge is not None and drifted:
@@ -1131,7 +1130,7 @@ class AdaptiveController:
         if not drifted and not shifted and self._unchanged(engine, workload):
             self._record_unchanged(engine, step, workload)
             self._sample_detail(constant)
-            self._kept_quietly(constant and not drifted)
+            self._kept_quietly(constant)
             return None
         self._skipped_in_row = 0
         # the disk as it behaves lately (the samples of the rate window; a long run's whole
