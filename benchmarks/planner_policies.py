@@ -674,7 +674,7 @@ def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[f
         after = measured(times[-args.steps:], run)
         best = best_static(cells[b]) if b in cells else None
         print(f"\ndrift at {b:.0%}: {run.note}; median step before {statistics.median(before):.3f} s, "
-              f"last {len(after)} steps {statistics.median(after):.3f} s"
+              f"last {args.steps} steps ({len(after)} measured: none right after a pause) {statistics.median(after):.3f} s"
               + (f"; best static without drift: {best[0]} {best[1]:.3f} s" if best else ""))
         periods, when = first_plan_after(run, args.drift_at, args.replan_every)
         print("  " + when)

@@ -1188,15 +1188,7 @@ class AdaptiveController:
             # belongs; one home's few steps since cannot show it, all of them together can
             accesses_changed=shifted,
         )
-        if decision.adopt and self._failed is not None:
-            changed = _rate_change(rates, self._failed.rates)
-            if not self._accesses_changed(rates, self._failed.rates, self._failed.step):  # a drifting step alone is no reason: the same model would err again
-                decision = replace(decision, adopt=False, reason=(
-                    f"a plan made from accesses like these was measured slower and reverted at step "
-                    f"{self._failed.step} (accesses changed {changed:.0%} since: below {s.retry_rate_change:.0%} "
-                    f"or within their noise)"))
-            else:
-                self._failed = None
+        decision = self._unless_reverted_before(decision, rates, shifted)
         self.plans_made += 1
         self.last_plan, self.last_decision = plan, decision
         self._last_solved = _Solved(rates, float(workload.measured_step_s), dict(current), decision.adopt, step)
@@ -1262,6 +1254,24 @@ class AdaptiveController:
         seconds = float(cost.predict_s("nvme", "read", 0))
         return workload.with_fetch_overhead(seconds, f"no NVMe param fetch measured yet: the latency of one read "
                                                      f"({seconds * 1e3:.2f} ms) assumed", measured=False)
+
+    def _unless_reverted_before(self, decision: Decision, rates: "pd.Series", shifted: bool) -> Decision:
+        """``decision``, refused when it would adopt a plan made from accesses like those of the
+        last plan reverted (``_failed``): the same model would err again. A drifting step alone is
+        no reason to try again; accesses changed beyond their noise are, and so is a shift of the
+        accesses as a whole (a routing change, ``shifted``): a plan reverted just after one was
+        made, and judged, on the old routing's steps - on the MoE at 50% such a block held the
+        old hot set in DRAM for 20 steps after the change (1.50x the settled step)."""
+        if not decision.adopt or self._failed is None:
+            return decision
+        if shifted or self._accesses_changed(rates, self._failed.rates, self._failed.step):
+            self._failed = None
+            return decision
+        changed = _rate_change(rates, self._failed.rates)
+        return replace(decision, adopt=False, reason=(
+            f"a plan made from accesses like these was measured slower and reverted at step "
+            f"{self._failed.step} (accesses changed {changed:.0%} since: below {self.settings.retry_rate_change:.0%} "
+            f"or within their noise)"))
 
     @property
     def replan_period(self) -> int:

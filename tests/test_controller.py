@@ -786,3 +786,30 @@ def test_a_dense_models_quiet_replans_double_the_period_up_to_the_cap():
     never = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(replan_every=8, quiet_backoff_max=1))
     never._kept_quietly(True)
     assert never.replan_period == 8
+
+
+def test_a_routing_change_lifts_the_block_of_a_plan_reverted_before_it():
+    """A plan reverted blocks plans made from accesses like its own (the model would err again),
+    but not a reaction to a shift of the accesses as a whole: the reverted plan was judged on the
+    old routing's steps."""
+    import pandas as pd
+
+    from planner.controller import AdaptiveController, ControllerSettings, _Check
+    from planner.policy import Decision
+
+    rates = pd.Series({"a": 4.0, "b": 4.0})
+    adopt = Decision(adopt=True, reason="gain beats migration")
+
+    def failed_controller(**settings):
+        c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(**settings))
+        c._failed = _Check(step=27, before_s=0.1, before={}, predicted_s=0.09, rates=rates)
+        return c
+
+    c = failed_controller()
+    kept = c._unless_reverted_before(adopt, rates, shifted=False)
+    assert not kept.adopt and "reverted at step 27" in kept.reason and c._failed is not None
+    c = failed_controller()
+    assert c._unless_reverted_before(adopt, rates, shifted=True).adopt and c._failed is None
+    c = failed_controller(change_z=None)  # the accesses moved by 98% (L1) since: tried again
+    assert c._unless_reverted_before(adopt, pd.Series({"a": 8.0, "b": 0.2}), shifted=False).adopt
+    assert c._failed is None
