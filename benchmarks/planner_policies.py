@@ -396,10 +396,9 @@ def side_by_side(trainers: list[Trainer], block: int) -> list[Run]:
                 t.advance(block or None)
                 if sum(not u.done for u in trainers) > 1:
                     t.pause()
-        return [t.finish() for t in trainers]
-    finally:
-        for t in trainers:
-            t.finish()
+    finally:  # every engine closed, also on error or Ctrl-C
+        runs = [t.finish() for t in trainers]
+    return runs
 
 
 def train(w: Workload, config: dict, warmup: int, steps: int, *, need_controller: bool = False,

@@ -1814,8 +1814,7 @@ class Engine:
         prefetched. Raises the first error a background request met. For handing the disk and
         cores to other work - e.g. timing several engines side by side, a block of steps each."""
         self._check_open()
-        if self._step_timer.running:
-            raise ModelError("engine.drain() is for between optimizer steps; call it after engine.step()")
+        self._check_between_steps("engine.drain")
         self._drain()
 
     def close(self) -> None:
