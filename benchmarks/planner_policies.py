@@ -268,6 +268,7 @@ class Run:
     plan_err: list[float] = field(default_factory=list)
     plans_seen: int = 0  # the controller's plans_made already folded into replan_moved_bytes
     not_solved: int = 0  # re-plans in the measured steps not solved again (nothing had changed)
+    trials: list[bool] = field(default_factory=list)  # trials of untried engine modes (whole run): kept or not
     sampled: int = 0  # measured steps during which the profiler sampled its shard detail (1 step in k > 1)
 
 
@@ -370,6 +371,7 @@ class Trainer:
                 run.not_solved = getattr(c, "plans_skipped", 0) - self.skipped_before
                 run.plan_err = [abs(v["predicted_s"] - v["measured_s"]) / v["measured_s"]
                                 for v in c.verified[self.verified_before:]]
+                run.trials = [bool(t.get("kept")) for t in getattr(c, "trials", [])]
         finally:
             engine.close()
         return run
@@ -590,6 +592,8 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
                     f"ping-pong {cell.pingpong:.1%} ({cell.pingpong_whole_runs:.1%} whole runs)",
                     f"plan err {plan_err[1]:.1%} (n={plan_err[0]})" if plan_err else "plan err -",
                     f"shard detail sampled in {sum(r.sampled for r in cell.runs) / max(1, sum(len(r.step_s) for r in cell.runs)):.0%} of steps",
+                    f"trials of untried engine modes {sum(len(r.trials) for r in cell.runs)} "
+                    f"({sum(sum(r.trials) for r in cell.runs)} kept; whole runs)",
                 ])
             if cell.status != "ok":
                 msg = "not available in this checkout" if cell.status == "unavailable" else cell.status
@@ -607,7 +611,8 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
           "nothing had changed since the last plan solved) and adopted, churn max = "
           "the most bytes one re-plan migrated / DRAM budget, ping-pong = homes sent back within 3 plans / shards, plan err = median "
           "|predicted - measured| / measured of adopted plans once landed; shard detail sampled = measured steps during which the profiler recorded "
-          "shard detail in one step of several, the controller's sparse_detail_every)")
+          "shard detail in one step of several, the controller's sparse_detail_every; trials = plans in an engine mode that had not run, "
+          "kept only if measured faster, over the whole run)")
 
 
 def headline(name: str, cells: dict[float, dict[str, Cell]] | None, budget: float | None, target: float) -> str:

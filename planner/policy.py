@@ -168,6 +168,7 @@ class PlacementPolicy:
         accesses_changed: bool = False,
         rates: Mapping[str, float] | None = None,
         rate_variance: float | Mapping[str, float] = 0.0,
+        trial_band: float | None = None,
     ) -> Decision:
         """Judge ``candidate`` against ``current`` (both ``{home: tier}``).
 
@@ -186,15 +187,21 @@ class PlacementPolicy:
         it are compared (without them, or without those, every return is held); ``rate_variance``:
         the caller's noise model of its smoothed rates, see ``hold_noise_z``: variance per access
         per step (a number), or each shard's variance of its ``rates`` ({shard: variance}); 0 or
-        empty: none.
+        empty: none. ``trial_band``: ``candidate`` is a trial (the model cannot tell it from the
+        current placement within this fraction of the step; the caller measures it and reverts
+        it unless faster): taken whole (no warm band, no ping-pong hold: either would change the
+        engine mode on trial), adopted when the model predicts any gain at all (not only one
+        above ``min_gain_fraction``) and the gain it may have (predicted + the band of the step)
+        pays back its migrations.
         """
         s = self.settings
         self._rate_variance = _variance_spec(rate_variance)
         min_gain = s.min_gain_fraction if min_gain_fraction is None else min_gain_fraction
-        target = self._warm_band(current, candidate, density, dram_bytes, dram_room_bytes)
+        trial = trial_band is not None
+        target = dict(candidate) if trial else self._warm_band(current, candidate, density, dram_bytes, dram_room_bytes)
         kept = sum(1 for h, t in candidate.items() if target.get(h) != t)
         held = 0
-        if s.hold_pingpong and not accesses_changed and self._history:
+        if s.hold_pingpong and not accesses_changed and self._history and not trial:
             target, held = self._hold_back(current, target, density, dram_bytes, dram_room_bytes, rates)
         moves = diff_moves(current, target)
         if not moves:
@@ -209,14 +216,24 @@ class PlacementPolicy:
                     horizon_steps=horizon_steps, kept_by_warm_band=kept, pingpong_moves=pingpong,
                     held_back=held, gain_scale=gain_scale)
         scaled = f" (x{gain_scale:.2f}: what landed plans realised)" if gain_scale != 1.0 else ""
-        if gain_s < min_gain * current_step_s:
+        if trial and gain_s <= 0:
+            why = f"a trial needs a predicted gain; {gain_s * 1e3:.1f} ms/step{scaled} predicted"
+            return Decision(False, why, **base)
+        if not trial and gain_s < min_gain * current_step_s:
             why = (f"predicted gain {gain_s * 1e3:.1f} ms/step{scaled} is below {min_gain:.0%} "
                    f"of the {current_step_s * 1e3:.1f} ms step")
             return Decision(False, why, **base)
-        if gain_s * horizon_steps <= s.margin * cost_s:
-            why = (f"gain {gain_s * 1e3:.1f} ms/step{scaled} x {horizon_steps} steps does not beat "
-                   f"{s.margin:g} x migration {cost_s * 1e3:.1f} ms")
+        # a trial pays back on the gain it may have: the model cannot tell it within the band
+        payback_s = gain_s + (trial_band * current_step_s if trial else 0.0)
+        if payback_s * horizon_steps <= s.margin * cost_s:
+            why = (f"gain {payback_s * 1e3:.1f} ms/step{scaled}{' (at best, a trial)' if trial else ''} x {horizon_steps} "
+                   f"steps does not beat {s.margin:g} x migration {cost_s * 1e3:.1f} ms")
             return Decision(False, why, **base)
+        if trial:
+            return Decision(True, f"a trial: predicted gain {gain_s * 1e3:.1f} ms/step{scaled} in an engine mode that "
+                            f"never ran (its error unknown: {trial_band:.0%} of the {current_step_s * 1e3:.1f} ms step; at best {payback_s * 1e3:.1f} "
+                            f"ms/step x {horizon_steps} steps beats {s.margin:g} x migration {cost_s * 1e3:.1f} ms); "
+                            f"kept only if measured faster", **base)
         return Decision(True, f"gain {gain_s * 1e3:.1f} ms/step{scaled} x {horizon_steps} steps beats "
                         f"{s.margin:g} x migration {cost_s * 1e3:.1f} ms", **base)
 

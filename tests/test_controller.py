@@ -206,8 +206,8 @@ def test_a_plan_measured_slower_is_reverted_and_not_tried_again(tmp_path):
     url = config["zinf"]["profiler"]["db"]
 
     class WrongPlanner(AdaptiveController):
-        def _best_plan(self, engine, workload, cost):
-            plan, _ = super()._best_plan(engine, workload, cost)
+        def _best_plan(self, engine, workload, cost, trial_ok=False):
+            plan, _ = super()._best_plan(engine, workload, cost)  # (no trial: a plan that promised a gain)
             plan.placement = {n: {"param": "nvme", "optim": "nvme"} for n in engine.placement}
             return plan, _WrongModel()
 
@@ -695,9 +695,10 @@ def test_a_drift_of_the_step_alone_is_planned_like_a_scheduled_plan(tmp_path):
 
     model, cfg, data = skewed_moe()
     url = f"sqlite:///{tmp_path}/profile.db"
-    # revert_fraction None: nothing verified; planned between steps, so that the forced
-    # prediction below is not replaced by a plan taken up from the planning process
-    config = adaptive_config(tmp_path, 10 * MiB, min_gain_fraction=0.05, plan_lag_steps=0)
+    # revert_fraction None and no trials: nothing verified (a plan being measured defers the
+    # drift test); planned between steps, so that the forced prediction below is not replaced by
+    # a plan taken up from the planning process
+    config = adaptive_config(tmp_path, 10 * MiB, min_gain_fraction=0.05, plan_lag_steps=0, trial_band=0)
     with zinf.initialize(model, config) as engine:
         c = engine.controller
         for step in range(4 * REPLAN):
@@ -813,3 +814,99 @@ def test_a_routing_change_lifts_the_block_of_a_plan_reverted_before_it():
     c = failed_controller(change_z=None)  # the accesses moved by 98% (L1) since: tried again
     assert c._unless_reverted_before(adopt, pd.Series({"a": 8.0, "b": 0.2}), shifted=False).adopt
     assert c._failed is None
+
+
+def _trial_run(tmp_path, start: str, tried: str):
+    """The tiny GPT with every home on ``start``, its first plan forced into a trial of every
+    home on ``tried`` in an engine mode that never ran (the later plans are the planner's own).
+    Returns the controller, the placements before and at the end, and the plans recorded."""
+    from planner.controller import AdaptiveController, ControllerSettings
+    from planner.policy import PolicySettings
+    from zinf.placement import Move
+
+    torch.manual_seed(0)
+    model, cfg = build_model("gpt", "tiny")
+    data = TokenBatches(markov_tokens(cfg.vocab_size, 20_000, seed=1), 2, 32, seed=1)
+    config = adaptive_config(tmp_path, 64 * MiB)
+    config["zinf"]["placement"] = {"policy": "static"}
+    config["zinf"]["profiler"]["enabled"] = True
+    url = config["zinf"]["profiler"]["db"]
+    modes = []  # the untried mode the trial is said to be in
+
+    class TrialOnce(AdaptiveController):
+        def _best_plan(self, engine, workload, cost, trial_ok=False):
+            plan, sim = super()._best_plan(engine, workload, cost, trial_ok=False)
+            if self.plans_made == 0:
+                assert len(self.mode_offset_s) == 1, "the mode in force is calibrated before planning"
+                # every overlap buffer or none: whichever this engine is not in
+                modes.append(next(m for m in ((False,) * 4, (True,) * 4) if m not in self.mode_offset_s))
+                untried = modes[0]
+                self.trial_before_residual = self._mode_now[1]  # the mode in force's, at this plan
+                plan.placement = {n: {"param": tried, "optim": tried if t["optim"] != "none" else "none"}
+                                  for n, t in engine.placement.items()}
+                plan.trial, plan.mode = True, untried
+                return plan, _WrongModel()
+            return plan, sim
+
+    with zinf.initialize(model, config) as engine:
+        engine.migrate([Move(n, what, start) for n, t in engine.placement.items() for what in ("param", "optim")
+                        if t[what] not in ("none", start)])
+        before = engine.placement
+        controller = TrialOnce(url, engine.recorder, 64 * MiB, ControllerSettings(
+            replan_every=REPLAN, first_plan_after=6, revert_fraction=None,  # a trial is measured all the same
+            policy=PolicySettings(margin=0, min_gain_fraction=0)))
+        engine.controller = controller
+        for step in range(4 * REPLAN + 6):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        end = engine.placement
+        engine.recorder.flush()
+        plans = queries.plans(url, engine.recorder.run_id)
+    return controller, before, end, plans, modes[0]
+
+
+def test_a_trial_is_measured_kept_only_if_faster_and_its_mode_measured_without_blocking_plans(tmp_path):
+    """A trial (every home from DRAM to NVMe, in a mode said never to have run) is measured
+    although revert_fraction is off, kept only if it measured faster than the placement before
+    it (else reverted as "not faster"), and what its mode measured becomes that mode's
+    calibration residual. Unlike a plan that promised a gain, it blocks nothing after it, nor
+    does it count in the model's error or realised gains. (Which way it goes is this machine's
+    disk: both ways are checked against what was measured.)"""
+    controller, before, end, plans, untried = _trial_run(tmp_path, "cpu", "nvme")
+    reasons = plans["reason"].tolist()
+    assert reasons[0]["trial"] and plans["adopted"].iat[0] and reasons[0]["why"].startswith("a trial")
+    assert len(controller.trials) == 1 and controller.verified == []
+    trial = controller.trials[0]
+    assert trial["kept"] == (trial["measured_s"] < trial["before_s"]), trial
+    reverts = [r for r in reasons if r.get("trigger") == "revert"]
+    if trial["kept"]:
+        assert reverts == [] and controller.plans_reverted == 0
+    else:
+        assert reasons[1] is reverts[0] and "a trial, not faster" in reverts[0]["why"], reasons[1]
+        assert controller.plans_reverted == 1
+    assert controller._failed is None
+    # the injected model said 1 ms with no residual: the mode's residual is what it missed by,
+    # its offset that less the residual of the mode before it at the plan
+    first = next(iter(controller.mode_offset_s))
+    assert controller.mode_offset_s[first] == 0.0 and first != untried
+    assert controller.mode_offset_s[untried] == pytest.approx(trial["measured_s"] - 1e-3 - controller.trial_before_residual)
+    assert controller.model_error is None and controller.gain_realised is None
+    assert all(not r.get("trial") for r in reasons[1:])  # one trial of that mode
+    assert any(r.get("trigger") in ("schedule", "drift") and r.get("solved", True) for r in reasons[1:]), "plans go on after it"
+
+
+def test_a_trial_is_judged_by_whether_it_measured_faster_alone():
+    """The revert test of a trial: slower or equal -> reverted, however small the difference;
+    faster -> kept, however little it promised (the tests of a plan's promise do not apply)."""
+    from planner.controller import AdaptiveController, _Check
+
+    c = AdaptiveController("sqlite://", None, 1 << 30)
+    trial = _Check(step=8, before_s=0.500, before={}, predicted_s=0.510, rates=None, model_gain_s=-0.010,
+                   trial=True, mode=(True, True, True, True))
+    assert "a trial, not faster" in c._failed_by(trial, 0.500)
+    assert "prefetch+write-behind+read-ahead+updates in backward" in c._failed_by(trial, 0.501)
+    assert c._failed_by(trial, 0.499) is None
+    # a plan that promised little is kept 2% slower (within revert_fraction, 5%); a trial is not
+    plan = _Check(step=8, before_s=0.500, before={}, predicted_s=0.490, rates=None, model_gain_s=0.010)
+    assert c._failed_by(plan, 0.510) is None and c._failed_by(trial, 0.510) is not None

@@ -264,3 +264,36 @@ def test_the_homes_a_provisional_plan_moved_may_go_back_without_the_hold():
     policy.adopted(back, b, same)  # the correction is not provisional: undoing it is held
     again = policy.decide(a, b, rates=same, **kw)
     assert not again.adopt and again.held_back == 2
+
+
+def test_a_trial_is_taken_whole_within_its_band_and_pays_back_on_the_gain_it_may_have():
+    """A trial (the model cannot tell how far off it is: its engine mode never ran) is adopted on
+    any predicted gain, below the gate too, not on none; neither the warm band nor the ping-pong
+    hold trims it (either would change the mode on trial); its payback counts the band as the
+    gain it may have."""
+    homes, saved, size, density = setup(3)
+    policy = PlacementPolicy(PolicySettings(warm_band=0.5, min_gain_fraction=0.05, margin=1.5))
+    flat = {h: 0.01 for h in homes}
+    a = {homes[0]: "cpu", homes[1]: "nvme", homes[2]: "nvme"}
+    b = {homes[0]: "nvme", homes[1]: "cpu", homes[2]: "nvme"}
+    kw = dict(density=flat, dram_bytes=size, dram_room_bytes=10 * MiB, horizon_steps=10, current_step_s=1.0)
+    # (the first plan, a -> b, made without a warm band: with equal densities the band keeps every home)
+    d1 = PlacementPolicy(PolicySettings(warm_band=0)).decide(a, b, predict_step_s=lambda p: 0.9,
+                                                               migration_s=lambda m: 0.0, **kw)
+    assert d1.adopt
+    policy.adopted(d1, a)
+    # straight back to a, predicted 2% faster: held back and below the 5% gate as a plan ...
+    plain = policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.0, **kw)
+    assert not plain.adopt
+    # ... adopted whole as a trial (its moves still count as ping-pong)
+    trial = policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.0, trial_band=0.05, **kw)
+    assert trial.adopt and trial.placement == a and trial.held_back == 0 and trial.kept_by_warm_band == 0
+    assert trial.reason.startswith("a trial") and trial.pingpong_moves == 2
+    assert trial.gain_s_per_step == pytest.approx(0.02)
+    # predicted no gain at all: refused
+    none = policy.decide(b, a, predict_step_s=lambda p: 1.0, migration_s=lambda m: 0.0, trial_band=0.05, **kw)
+    assert not none.adopt and "needs a predicted gain" in none.reason
+    # payback on the gain it may have: (0.02 + 0.05) s x 10 steps = 0.7 s against 1.5 x 2 moves x 0.23 s = 0.69 s
+    assert policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.23, trial_band=0.05, **kw).adopt
+    costly = policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.24, trial_band=0.05, **kw)
+    assert not costly.adopt and "does not beat" in costly.reason

@@ -63,7 +63,8 @@ def initialize(model, config: Config | dict | str | os.PathLike | None = None, *
             policy = PolicySettings(margin=pc.adopt_margin, min_gain_fraction=pc.min_gain_fraction,
                                     warm_band=pc.warm_band)
             settings = ControllerSettings(replan_every=pc.replan_every, policy=policy,
-                                          revert_fraction=pc.revert_fraction, plan_lag_steps=pc.plan_lag_steps)
+                                          revert_fraction=pc.revert_fraction, plan_lag_steps=pc.plan_lag_steps,
+                                          trial_band=pc.trial_band)
             if tuner is not None:
                 # Trials must not feed the planner's calibration: its first plan reads only steps
                 # run with the kept setting (a whole planning window of them).

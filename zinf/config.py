@@ -624,6 +624,13 @@ class PlacementConfig(_Section):
     replaced by more than this fraction is reverted, and no similar plan is adopted until the
     accesses change (null: never revert)."""
 
+    trial_band: float = Field(0.05, ge=0, lt=1)
+    """Adaptive: a plan in an engine mode that has not run yet (which overlap buffers the budget
+    leaves it: prefetch window, write-behind, optimizer read-ahead, updates during backward),
+    predicted within this fraction of the step of the best plan, is tried once - adopted, measured,
+    and reverted unless it measured faster - since the model's calibration of a mode that never
+    ran is borrowed from the one in force. 0: never try."""
+
 
 class ProfilerConfig(_Section):
     """The profiler that records per-step and per-shard timings to a database."""
