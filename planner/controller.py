@@ -889,8 +889,11 @@ class AdaptiveController:
         # on the MoE at 20% measuring them made each plan see a slower step than the last
         # (209 -> 339 ms, same placement), drift plans every 4-5 steps, and more of them.
         overlapped = step - 1 <= self._planned_through or (self._job is not None and step - 1 > self._job.step)
+        # Nor is a step after Engine.drain(): it starts with nothing prefetched (the side-by-side
+        # benchmark drains each engine every 8 steps and leaves that step out of its medians; a
+        # verify window of 5 steps with one in it judged a plan on it)
         if (last and last.get("wall_s") is not None and self._target is None and step - 1 > self._settled_step
-                and not overlapped):
+                and not overlapped and not last.get("after_drain")):
             wall_s = float(last["wall_s"]) - self._own_s - float(last.get("migration_s") or 0.0)
             wall_s = max(wall_s, 0.0)
             self._recent_s.append(wall_s)

@@ -646,6 +646,25 @@ def test_the_steps_a_placement_is_judged_on_leave_out_the_planning_and_migration
     assert 0.0 <= c._own_s < 0.3  # this call's own time, for the next step
 
 
+def test_a_step_after_a_drain_is_not_measured():
+    """The step after Engine.drain() started with nothing prefetched (the side-by-side benchmark
+    drains each engine between blocks): the controller leaves it out of a placement's steps."""
+    from planner.controller import AdaptiveController, ControllerSettings
+
+    class Eng:
+        global_steps = 3
+        last_migration = None
+        last_step = {"wall_s": 1.0, "migration_s": 0.0, "after_drain": True}
+        placement = {}
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(first_plan_after=5))
+    c.after_step(Eng())
+    assert c._placement_s[-1] == [] and list(c._recent_s) == []
+    Eng.global_steps, Eng.last_step = 4, {"wall_s": 0.8, "migration_s": 0.0, "after_drain": False}
+    c.after_step(Eng())
+    assert c._placement_s[-1] == [pytest.approx(0.8, abs=0.01)]
+
+
 def test_a_kept_plan_is_predicted_by_its_own_steps_once_measured():
     """Once a landed plan's verify_steps are measured and it is kept, the prediction of the
     placement in force is their median (the simulator calibrated on it would say the same), not

@@ -196,7 +196,8 @@ def test_500_steps_of_divergent_moe_routing_finish_within_the_pools(tmp_path):
 
 def test_two_engines_side_by_side_drained_between_blocks_both_match_pytorch(tmp_path):
     """``engine.drain()`` between blocks of steps (how benchmarks/planner_policies.py runs the
-    policies side by side) leaves nothing in flight and changes no number; mid-step it refuses."""
+    policies side by side) leaves nothing in flight and changes no number; mid-step it refuses;
+    the step after it, and only that one, says so in ``last_step["after_drain"]``."""
     make, gas, clip = MODELS["gpt_accum4_clip"]
     model, data = make()
     ref_losses, ref_params = train_plain(copy.deepcopy(model), data, gas, clip, steps=6)
@@ -219,6 +220,7 @@ def test_two_engines_side_by_side_drained_between_blocks_both_match_pytorch(tmp_
                             with pytest.raises(ModelError, match="between optimizer steps"):
                                 engine.drain()
                         engine.step()
+                    assert engine.last_step["after_drain"] is (block > 0 and step == block), (block, step)
                 engine.drain()
                 assert engine._writes.in_flight_bytes == 0 and not engine._writes._futures
         assert engines[0].overlap.prefetch_bytes > 0 and engines[0].overlap.write_bytes > 0, "overlap must be on"

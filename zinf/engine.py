@@ -175,6 +175,7 @@ class Engine:
         self._backward_held: list[ShardState] = []  # shards acquired by backward pre-hooks
         self.traffic_total = _Traffic()  # bytes moved per tier since initialize
         self.last_step: dict = {}  # phase timings of the last optimizer step
+        self._drained = False  # drain() ran since the last optimizer step: the next one starts cold
         self.controller = controller  # asked for migrations after every optimizer step (None: never)
         self.last_migration: MigrationReport | None = None  # outcome of the last migrate call
         self._controller_warnings: set[str] = set()  # messages of controller failures already logged
@@ -1275,6 +1276,8 @@ class Engine:
             )
         self.last_step = timer.snapshot(wall, losses)
         self.last_step["migration_s"] = migration_s
+        # a step after drain() started with nothing prefetched: not one to judge a placement by
+        self.last_step["after_drain"], self._drained = self._drained, False
         self.traffic_total.add(self._stats)
         self._stats = _Traffic()
         self._step_timer = _StepTimer()
@@ -1811,11 +1814,13 @@ class Engine:
     def drain(self) -> None:
         """Between optimizer steps: wait for the engine's background work (updates, prefetches,
         write-behind) so that none of it is left in flight; the next step starts with nothing
-        prefetched. Raises the first error a background request met. For handing the disk and
+        prefetched (its ``last_step["after_drain"]`` is True, and the adaptive planner does not
+        measure it). Raises the first error a background request met. For handing the disk and
         cores to other work - e.g. timing several engines side by side, a block of steps each."""
         self._check_open()
         self._check_between_steps("engine.drain")
         self._drain()
+        self._drained = True  # the next step's last_step says "after_drain" (the planner leaves it out)
 
     def close(self) -> None:
         """Remove hooks, flush the recorder and delete this run's swap files. Idempotent."""
