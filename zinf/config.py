@@ -627,9 +627,10 @@ class PlacementConfig(_Section):
     trial_band: float = Field(0.05, ge=0, lt=1)
     """Adaptive: a plan in an engine mode that has not run yet (which overlap buffers the budget
     leaves it: prefetch window, write-behind, optimizer read-ahead, updates during backward),
-    predicted within this fraction of the step of the best plan, is tried once - adopted, measured,
-    and reverted unless it measured faster - since the model's calibration of a mode that never
-    ran is borrowed from the one in force. 0: never try."""
+    predicted within this fraction of the step of the best plan and faster than the placement in
+    force, is tried once (not at the first plan) - adopted, measured, and reverted unless it
+    measured faster - since the model's calibration of a mode that never ran is borrowed from the
+    one in force. 0: never try."""
 
 
 class ProfilerConfig(_Section):
