@@ -1609,9 +1609,8 @@ class AdaptiveController:
         mode that arrived unmeasured (a plan adopted without verification) is placed against the
         mode of the plan before."""
         if mode not in self.mode_offset_s:
-            before = self._mode_now
-            self.mode_offset_s[mode] = (0.0 if before is None or before[0] not in self.mode_offset_s
-                                        else self.mode_offset_s[before[0]] + residual_s - before[1])
+            before = self._mode_now  # (its mode is in the offsets: noted here first)
+            self.mode_offset_s[mode] = 0.0 if before is None else self.mode_offset_s[before[0]] + residual_s - before[1]
         self._mode_now = (mode, residual_s)
 
     def _as_granted(self, engine, workload: Workload, plan: Plan, cost) -> Workload:
@@ -1624,7 +1623,7 @@ class AdaptiveController:
                                         read_ahead_bytes=ov.read_ahead_bytes, eager=ov.eager)
         plan.mode = mode_of(granted)
         offsets, now = self.mode_offset_s, self._mode_now
-        if now is not None and plan.mode != now[0] and plan.mode in offsets and now[0] in offsets:
+        if now is not None and plan.mode != now[0] and plan.mode in offsets:
             granted = granted.with_overhead(float(workload.overhead_s) + offsets[plan.mode] - offsets[now[0]])
         plan.prediction = Simulator(granted, cost, prefetch_bytes=granted.prefetch_bytes).predict(plan.placement)
         return granted

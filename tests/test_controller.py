@@ -188,6 +188,18 @@ class _WrongModel:
         return Prediction(1e-3, 0, 0, 0, 0, 0, 0, 1e-3, 0, 1, 0, 0)
 
 
+def _profiled_tiny_gpt(tmp_path):
+    """The tiny GPT, its data, and a static, profiled config under a 64 MiB budget, for a test to
+    attach a controller of its own to; returns (model, data, config, profile URL)."""
+    torch.manual_seed(0)
+    model, cfg = build_model("gpt", "tiny")
+    data = TokenBatches(markov_tokens(cfg.vocab_size, 20_000, seed=1), 2, 32, seed=1)
+    config = adaptive_config(tmp_path, 64 * MiB)
+    config["zinf"]["placement"] = {"policy": "static"}
+    config["zinf"]["profiler"]["enabled"] = True
+    return model, data, config, config["zinf"]["profiler"]["db"]
+
+
 def test_a_plan_measured_slower_is_reverted_and_not_tried_again(tmp_path):
     """The controller trusts measurement over its model: a plan that makes the steps slower once it
     has landed is undone, recorded as a revert, and the same plan is not adopted again while the
@@ -196,14 +208,8 @@ def test_a_plan_measured_slower_is_reverted_and_not_tried_again(tmp_path):
     from planner.policy import PolicySettings
     from zinf.placement import Move
 
-    torch.manual_seed(0)
-    model, cfg = build_model("gpt", "tiny")
-    data = TokenBatches(markov_tokens(cfg.vocab_size, 20_000, seed=1), 2, 32, seed=1)
-    config = adaptive_config(tmp_path, 64 * MiB)
-    config["zinf"]["placement"] = {"policy": "static"}
-    config["zinf"]["profiler"]["enabled"] = True
+    model, data, config, url = _profiled_tiny_gpt(tmp_path)
     config["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**9  # every param in DRAM
-    url = config["zinf"]["profiler"]["db"]
 
     class WrongPlanner(AdaptiveController):
         def _best_plan(self, engine, workload, cost, trial_ok=False):
@@ -843,13 +849,7 @@ def _trial_run(tmp_path, start: str, tried: str):
     from planner.policy import PolicySettings
     from zinf.placement import Move
 
-    torch.manual_seed(0)
-    model, cfg = build_model("gpt", "tiny")
-    data = TokenBatches(markov_tokens(cfg.vocab_size, 20_000, seed=1), 2, 32, seed=1)
-    config = adaptive_config(tmp_path, 64 * MiB)
-    config["zinf"]["placement"] = {"policy": "static"}
-    config["zinf"]["profiler"]["enabled"] = True
-    url = config["zinf"]["profiler"]["db"]
+    model, data, config, url = _profiled_tiny_gpt(tmp_path)
     modes = []  # the untried mode the trial is said to be in
 
     class TrialOnce(AdaptiveController):
