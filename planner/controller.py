@@ -238,7 +238,19 @@ class ControllerSettings:
     dense GPT's all-NVMe placement with updates during backward measured 0.462 s where the
     residual of the no-update mode predicted 0.486, and the planner kept a placement 9% slower
     (0.503 s) on a predicted 0.3% difference. Once a mode ran, the difference of its residual from
-    the others' is known (:attr:`AdaptiveController.mode_offset_s`). 0: never try."""
+    the others' is known (:attr:`AdaptiveController.mode_offset_s`). Trials are made only in the
+    first ``trial_periods`` re-plan periods after the first plan; later, a plan in a mode that
+    never ran must clear ``min_gain_fraction`` plus this band (its error is unknown by that much).
+    0: never try, and no such margin."""
+
+    trial_periods: int = 2
+    """Trials of untried engine modes (see ``trial_band``) are made, measured and if need be
+    reverted in this many re-plan periods after the first plan (a trial starts only while a whole
+    period is left of them), and no later: exploring is over before the steady state, where a trial
+    that measured slower would be reverted - a migration there and back (the dense GPT at 30% on
+    the 2-core VM: a mode adopted at step 24 on a predicted 6.6% gain measured 9.5% slower, and
+    its revert moved 47% of the homes back). Re-plans in these periods are always solved and do
+    not lengthen the period (``quiet_backoff_max``), so the trials get their plans. 0: no trials."""
 
     policy: PolicySettings = field(default_factory=PolicySettings)
 
@@ -581,6 +593,9 @@ class AdaptiveController:
         # the current placement with a faster machine.
         self.mode_offset_s: dict[Mode, float] = {}
         self._mode_now: tuple[Mode, float] | None = None  # the mode in force at the newest plan, its residual
+        # plans made before this step may be trials (the first plan's step + trial_periods periods)
+        self._explore_until: int | None = None
+        self._level_s: float | None = None  # the newest steps' median at the last plan (seconds)
         # trials of untried engine modes once measured (as verified, with "kept"): not in verified,
         # whose entries set the model's error and realised gain - a trial promised nothing
         self.trials: list[dict] = []
@@ -956,6 +971,9 @@ class AdaptiveController:
         # (not the planning window's, whose first steps may be the run's warm-up)
         recent = list(self._recent_s)[-self._verify_steps:]
         before_s = statistics.median(recent) if len(recent) >= s.drift_steps else None
+        # where the steps are now: after a drift, the steps that drifted (a wider window may
+        # straddle the change)
+        self._level_s = statistics.median(recent[-s.drift_steps:]) if drifted else before_s
         self._recent_s.clear()  # drift is judged on steps after this plan
         self._time_update_once(engine)
         self._time_io_cpu_once(engine)
@@ -1187,10 +1205,10 @@ class AdaptiveController:
             workload = profile("short")
             self._rates_from_step = max(self._rates_from_step, step - s.drift_steps)  # the next plans' window
         constant = _rate_change(short_rates, rates) < s.constant_rate_change
-        if not drifted and not shifted and self._unchanged(engine, workload):
+        if not drifted and not shifted and not self._exploring(step) and self._unchanged(engine, workload):
             self._record_unchanged(engine, step, workload)
             self._sample_detail(constant)
-            self._kept_quietly(constant)
+            self._kept_quietly(constant, step)
             return None
         self._skipped_in_row = 0
         # the disk as it behaves lately (the samples of the rate window; a long run's whole
@@ -1211,11 +1229,16 @@ class AdaptiveController:
         self._note_mode(mode_of(workload), float(workload.overhead_s))
         # No trial at the first plan: it is judged against the run's first steps, which are slower
         # (the VM's GPT at 30%: steps 3-7 at 0.70 s, a trial measured 0.72 s "faster" than them and
-        # was kept, where the placement before it runs at 0.58 s); nor after a shift or a drift,
-        # nor while a reverted plan blocks adoptions.
-        trial_ok = self.plans_made > 0 and not drifted and not shifted and self._failed is None
+        # was kept, where the placement before it runs at 0.58 s); nor after the exploring periods
+        # (trial_periods), a shift or a drift, nor while a reverted plan blocks adoptions.
+        trial_ok = (self.plans_made > 0 and self._may_try(step) and not drifted and not shifted
+                    and self._failed is None)
         plan, sim = self._best_plan(engine, configured.with_overhead(workload.overhead_s), cost, trial_ok=trial_ok)
         trial = bool(getattr(plan, "trial", False))
+        # a plan in a mode that never ran, not tried: its calibration is borrowed, its error
+        # unknown by up to trial_band of the step - it must clear that too (a reaction to a
+        # routing change is not held back by it: it must react)
+        untried = not trial and getattr(plan, "mode", None) is not None and plan.mode not in self.mode_offset_s
         now_sim = Simulator(workload, cost, prefetch_bytes=overlap.prefetch_bytes)
         current = homes_of(engine.placement)
         shards = workload.shards.set_index("shard")
@@ -1243,6 +1266,8 @@ class AdaptiveController:
         # what calibrating on the placement in force had to add: the model's error on what it measures
         calibration_error = abs(float(workload.overhead_s)) / float(workload.measured_step_s) if workload.measured_step_s else None
         min_gain = self.min_gain_fraction(rates, realised, noise, shifted, calibration_error)
+        if untried and not shifted:
+            min_gain += s.trial_band
         decision = self.policy.decide(
             current, plan.homes(), current_step_s=current_step_s,
             predict_step_s=lambda homes: sim.predict(homes).step_s,
@@ -1259,6 +1284,8 @@ class AdaptiveController:
             trial_band=s.trial_band if trial else None,
         )
         decision = self._unless_reverted_before(decision, rates, shifted)
+        if self._explore_until is None:  # the first plan: trials may follow for trial_periods periods
+            self._explore_until = step + s.trial_periods * s.replan_every
         self.plans_made += 1
         self.last_plan, self.last_decision = plan, decision
         self._last_solved = _Solved(rates, float(workload.measured_step_s), dict(current), decision.adopt, step)
@@ -1271,6 +1298,7 @@ class AdaptiveController:
             "model_error": self.model_error, "model_gain_s": model_gain_s, "step_noise": noise,
             "min_gain_fraction": min_gain, "accesses_shifted": shifted, "calibration_error": calibration_error,
             "model": _model_numbers(workload), "trial": trial, "mode": describe_mode(getattr(plan, "mode", mode_of(workload))),
+            "mode_untried": untried,
         }
         self.recorder.record_plan(
             self.plans_made, _assignments(engine.placement, decision.placement, density), policy="adaptive", created_step=step,
@@ -1281,9 +1309,15 @@ class AdaptiveController:
                  " (accesses shifted: a reaction)" if shifted else "",
                  "adopted" if decision.adopt else "kept the current placement", decision.reason)
         if not decision.adopt:
-            self._predicted_step_s = current_step_s
+            # the placement stays: the model's step, calibrated on the window's median - but for a
+            # dense model (the same accesses every step: only the machine can change its step),
+            # the level of its newest steps, so that a drift is judged from where they are (the
+            # dense GPT at 50% on the VM: its steps went 0.49 -> 0.65 s, the window's median
+            # lagged, and a drift plan every 3-4 steps cost ~0.9 s each)
+            level = self._level_s if constant else None
+            self._predicted_step_s = current_step_s if level is None else level
             self._sample_detail(constant)
-            self._kept_quietly(constant and not drifted and not shifted)
+            self._kept_quietly(constant and not drifted and not shifted, step)
             return None
         self._sample_detail(False)  # the new placement's steps are measured in full
         self._quiet_plans = 0
@@ -1354,11 +1388,24 @@ class AdaptiveController:
         s = self.settings
         return s.replan_every * min(max(1, s.quiet_backoff_max), 2 ** min(self._quiet_plans, 30))
 
-    def _kept_quietly(self, quiet: bool) -> None:
+    def _exploring(self, step: int) -> bool:
+        """Whether ``step`` is in the exploring periods: before the first plan, or within
+        ``trial_periods`` re-plan periods after it (see :attr:`ControllerSettings.trial_periods`).
+        Re-plans there are solved and keep the period; trials start while :meth:`_may_try`."""
+        return self.settings.trial_band > 0 and (self._explore_until is None or step < self._explore_until)
+
+    def _may_try(self, step: int) -> bool:
+        """Whether a plan made after ``step`` may be a trial: one re-plan period (what measuring
+        it and a revert take) still fits in the exploring periods (:meth:`_exploring`) - a trial
+        made later, after a drift plan moved the schedule, was reverted in the steady state."""
+        return self._exploring(step + self.settings.replan_every - 1)
+
+    def _kept_quietly(self, quiet: bool, step: int) -> None:
         """Count a scheduled re-plan that kept the placement while every shard's accesses were the
-        same every step (``quiet``); anything else starts the count again."""
+        same every step (``quiet``); anything else starts the count again. While trials may still
+        be made (:meth:`_exploring`), the period stays: the next plan may be one."""
         before = self.replan_period
-        self._quiet_plans = self._quiet_plans + 1 if quiet else 0
+        self._quiet_plans = self._quiet_plans + 1 if quiet and not self._exploring(step) else 0
         if self.replan_period != before:
             log.info("zinf planner: next scheduled re-plan in %d steps (the placement kept, the accesses the same "
                      "every step)", self.replan_period)
@@ -1508,10 +1555,11 @@ class AdaptiveController:
         (:meth:`Engine.overlap_of`), and the fastest is kept; the greedy (re-simulating) refines
         that split, and the faster of the two plans wins.
 
-        With ``trial_ok`` (and ``trial_band``), when the winner's engine mode has run but another
-        split's plan is in a mode that never ran and predicted within ``trial_band`` of the
-        winner's step, that plan is returned instead, marked ``plan.trial``: the model cannot
-        tell the two apart, as its calibration of that mode is borrowed.
+        With ``trial_ok`` (and ``trial_band``), a winner in an engine mode that never ran is
+        marked ``plan.trial``; when the winner's mode has run but another split's plan is in a
+        mode that never ran and predicted within ``trial_band`` of the winner's step, that plan
+        is returned instead, marked ``plan.trial``: the model cannot tell the two apart, as its
+        calibration of that mode is borrowed.
         """
         need = engine.dram_need
         shards = workload.shards
@@ -1588,7 +1636,10 @@ class AdaptiveController:
         plan.trial = False
         band = self.settings.trial_band
         untried = [pg for mode, pg in by_mode.items() if mode not in self.mode_offset_s]
-        if trial_ok and band > 0 and untried and plan.mode in self.mode_offset_s:
+        if trial_ok and band > 0 and plan.mode not in self.mode_offset_s:
+            plan.trial = True  # the fastest plan itself is in a mode that never ran: tried
+            plan.note = f"{plan.note}; a trial of the untried engine mode {describe_mode(plan.mode)}".lstrip("; ")
+        elif trial_ok and band > 0 and untried and plan.mode in self.mode_offset_s:
             alt, alt_granted = min(untried, key=lambda pg: pg[0].prediction.step_s)
             if alt.prediction.step_s <= plan.prediction.step_s + band * float(workload.measured_step_s):
                 alt.trial = True

@@ -797,20 +797,25 @@ def test_an_unmeasured_fetch_overhead_is_a_reads_latency_until_measured():
 def test_a_dense_models_quiet_replans_double_the_period_up_to_the_cap():
     """replan_period: replan_every, doubled after each scheduled re-plan that kept the placement
     while the accesses were the same every step, up to quiet_backoff_max x replan_every; any
-    other plan (varying accesses, an adoption - see _plan) starts again at replan_every."""
+    other plan (varying accesses, an adoption - see _plan) starts again at replan_every. Not
+    while trials may still be made (the first trial_periods periods after the first plan)."""
     from planner.controller import AdaptiveController, ControllerSettings
 
-    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(replan_every=8, quiet_backoff_max=8))
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(replan_every=8, quiet_backoff_max=8,
+                                                                          trial_periods=2))
+    c._explore_until = 8 + 2 * 8  # a first plan after step 8
+    assert c.replan_period == 8
+    c._kept_quietly(True, 16)  # exploring: the next plan may be a trial, 8 steps on
     assert c.replan_period == 8
     periods = []
-    for _ in range(5):
-        c._kept_quietly(True)
+    for step in (24, 40, 72, 136, 200):
+        c._kept_quietly(True, step)
         periods.append(c.replan_period)
     assert periods == [16, 32, 64, 64, 64]
-    c._kept_quietly(False)  # the accesses varied (a routed model), or the plan was a reaction
+    c._kept_quietly(False, 264)  # the accesses varied (a routed model), or the plan was a reaction
     assert c.replan_period == 8
     never = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(replan_every=8, quiet_backoff_max=1))
-    never._kept_quietly(True)
+    never._kept_quietly(True, 1000)
     assert never.replan_period == 8
 
 
@@ -929,3 +934,147 @@ def test_a_trial_is_judged_by_whether_it_measured_faster_alone():
     # a plan that promised little is kept 2% slower (within revert_fraction, 5%); a trial is not
     plan = _Check(step=8, before_s=0.500, before={}, predicted_s=0.490, rates=None, model_gain_s=0.010)
     assert c._failed_by(plan, 0.510) is None and c._failed_by(trial, 0.510) is not None
+
+
+def test_trials_are_made_only_in_the_exploring_periods_whose_re_plans_are_solved_on_schedule(tmp_path):
+    """Untried engine modes are tried in the first ``trial_periods`` re-plan periods after the
+    first plan (a trial starting while a period is left for measuring it) and never later: the first plan and every plan after the window are made with
+    trials off, and the re-plans inside the window are solved (not skipped as unchanged) and come
+    every ``replan_every`` steps (the quiet back-off waits for the window to end)."""
+    from planner.controller import AdaptiveController, ControllerSettings
+
+    model, data, config, url = _profiled_tiny_gpt(tmp_path)
+    calls = []  # (step, trial_ok) of every plan solved
+
+    class Watched(AdaptiveController):
+        def _best_plan(self, engine, workload, cost, trial_ok=False):
+            calls.append((self._step_now, trial_ok))
+            return super()._best_plan(engine, workload, cost, trial_ok=trial_ok)
+
+    with zinf.initialize(model, config) as engine:
+        controller = Watched(url, engine.recorder, 64 * MiB, ControllerSettings(
+            replan_every=REPLAN, first_plan_after=6, trial_periods=2, plan_lag_steps=0))
+        engine.controller = controller
+        for step in range(10 * REPLAN):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        engine.recorder.flush()
+        plans = queries.plans(url, engine.recorder.run_id)
+    first = int(plans["created_step"].iat[0])
+    window_end = first + 2 * REPLAN
+    assert calls and calls[0] == (first, False), "no trial at the first plan"
+    # none after the window, nor in its last period (a trial's measuring and revert must fit in it)
+    assert all(not ok for s, ok in calls if s + REPLAN > window_end), calls
+    in_window = plans[plans["created_step"] < window_end]
+    assert len(in_window) >= 2, plans[["created_step", "adopted"]]
+    # solved, each within replan_every of the one before (drift or revert plans come sooner)
+    assert all(r.get("solved", True) for r in in_window["reason"]), in_window["reason"].tolist()
+    assert (in_window["created_step"].diff().dropna() <= REPLAN).all(), in_window["created_step"].tolist()
+    # with trials off, the same run backs off as before (a dense model's quiet re-plans)
+    assert controller._exploring(window_end - 1) and not controller._exploring(window_end)
+
+
+def test_after_the_exploring_periods_a_plan_in_an_untried_mode_must_clear_the_band_too(tmp_path):
+    """Past the trial window a plan in an engine mode that never ran is no trial: its gain must
+    clear ``min_gain_fraction`` plus ``trial_band`` (its calibration is borrowed). A plan
+    predicted ~4.5% faster, with the gate at 2%, is refused in an untried mode and adopted in the
+    mode in force. The model is injected: every home to NVMe at 0.955 x the measured step."""
+    from planner.controller import AdaptiveController, ControllerSettings
+    from planner.policy import PolicySettings
+    from planner.simulator import Prediction
+    from zinf.placement import Move
+
+    model, data, config, url = _profiled_tiny_gpt(tmp_path)
+    forced = []  # (step, mode given, whether that mode had run)
+
+    class Fixed:
+        def __init__(self, step_s):
+            self.step_s = step_s
+
+        def predict(self, placement):
+            return Prediction(self.step_s, 0, 0, 0, 0, 0, 0, self.step_s, 0, 1, 0, 0)
+
+    class Forced(AdaptiveController):
+        def min_gain_fraction(self, *args, **kwargs):
+            return 0.02
+
+        def _best_plan(self, engine, workload, cost, trial_ok=False):
+            plan, sim = super()._best_plan(engine, workload, cost, trial_ok=False)
+            if self.plans_made == 0:
+                return plan, sim
+            untried = next(m for m in ((False,) * 4, (True,) * 4) if m not in self.mode_offset_s)
+            # the first forced plan in a mode that never ran, the next in the mode in force
+            mode = untried if not forced else self._mode_now[0]
+            forced.append((self._step_now, mode, mode in self.mode_offset_s))
+            plan.placement = {n: {"param": "nvme", "optim": "nvme" if t["optim"] != "none" else "none"}
+                              for n, t in engine.placement.items()}
+            plan.trial, plan.mode = False, mode
+            return plan, Fixed(0.955 * float(workload.measured_step_s))
+
+    with zinf.initialize(model, config) as engine:
+        engine.migrate([Move(n, what, "cpu") for n, t in engine.placement.items() for what in ("param", "optim")
+                        if t[what] not in ("none", "cpu")])
+        controller = Forced(url, engine.recorder, 64 * MiB, ControllerSettings(
+            replan_every=REPLAN, first_plan_after=6, trial_periods=1, trial_band=0.05, revert_fraction=None,
+            unchanged_rate_change=0, quiet_backoff_max=1, drift_fraction=10.0, plan_lag_steps=0,
+            policy=PolicySettings(margin=0, min_gain_fraction=0.02)))
+        engine.controller = controller
+        for step in range(4 * REPLAN):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+            if len(forced) == 2:
+                break
+        engine.recorder.flush()
+        plans = queries.plans(url, engine.recorder.run_id)
+    assert [f[2] for f in forced] == [False, True], forced
+    reasons = plans["reason"].tolist()
+    untried, known = reasons[1], reasons[2]
+    for r in (untried, known):
+        assert not r["trial"] and r["current_step_s"] == pytest.approx(r["measured_step_s"], rel=0.01)
+        assert 0.035 < r["model_gain_s"] / r["current_step_s"] < 0.055  # between the two gates
+    assert untried["mode_untried"] and untried["min_gain_fraction"] == pytest.approx(0.07)
+    assert not plans["adopted"].iat[1] and "below 7%" in untried["why"], untried["why"]
+    assert not known["mode_untried"] and known["min_gain_fraction"] == pytest.approx(0.02)
+    assert plans["adopted"].iat[2], known["why"]
+
+
+def test_after_a_dense_models_steps_drift_one_plan_follows_not_one_every_few_steps(tmp_path):
+    """A dense model (the same accesses every step) whose steps get 2.5x slower mid-run - the
+    machine changed, not the accesses: one drift plan re-plans, and keeps the placement; the next
+    drift is judged from the level the steps drifted to, so no drift plan follows every
+    drift_steps steps while the planning window's median catches up. The slowdown is a sleep in
+    a forward hook (real steps, really slower)."""
+    import time
+
+    from planner.controller import AdaptiveController, ControllerSettings
+
+    model, data, config, url = _profiled_tiny_gpt(tmp_path)
+    slow = {"on": False, "s": 0.0}
+
+    def hook(module, args, output):
+        if slow["on"]:
+            time.sleep(slow["s"])
+
+    model.register_forward_hook(hook)
+    with zinf.initialize(model, config) as engine:
+        controller = AdaptiveController(url, engine.recorder, 64 * MiB, ControllerSettings(
+            replan_every=10, first_plan_after=6, window_steps=20, plan_lag_steps=0, trial_band=0,
+            drift_fraction=0.5))  # (the tiny model's steps vary by ~25%: a drift well beyond that)
+        engine.controller = controller
+        for step in range(44):
+            if step == 14:  # after the first plan (step 6-7) and a few steps of its level
+                engine.recorder.flush()
+                walls = queries.steps(url, engine.recorder.run_id)["wall_s"].tail(5)
+                slow["on"], slow["s"] = True, 1.5 * float(walls.median())  # 2.5x the step
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        engine.recorder.flush()
+        plans = queries.plans(url, engine.recorder.run_id)
+    drift = plans[[r.get("trigger") == "drift" for r in plans["reason"]]]
+    assert plans["created_step"].iat[0] < 14, "the first plan came before the change"
+    assert not plans["adopted"].any(), plans[["created_step", "adopted"]]
+    # one drift plan for one change (in the 30 steps after it: without the level, one every 3-6 steps)
+    assert len(drift) == 1, plans[["created_step"]].assign(trigger=[r.get("trigger") for r in plans["reason"]])

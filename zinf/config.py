@@ -630,7 +630,14 @@ class PlacementConfig(_Section):
     predicted within this fraction of the step of the best plan and faster than the placement in
     force, is tried once (not at the first plan) - adopted, measured, and reverted unless it
     measured faster - since the model's calibration of a mode that never ran is borrowed from the
-    one in force. 0: never try."""
+    one in force. Only within ``trial_periods`` re-plan periods of the first plan (measured and
+    reverted within them too); after them a plan in a mode that never ran must clear
+    ``min_gain_fraction`` plus this band. 0: never try."""
+
+    trial_periods: int = Field(2, ge=0)
+    """Adaptive: the re-plan periods after the first plan in which untried engine modes are tried
+    (see ``trial_band``): exploring ends before the steady state, where a trial that measured
+    slower would move homes there and back. 0: no trials."""
 
 
 class ProfilerConfig(_Section):
