@@ -1639,7 +1639,7 @@ class AdaptiveController:
         if trial_ok and band > 0 and plan.mode not in self.mode_offset_s:
             plan.trial = True  # the fastest plan itself is in a mode that never ran: tried
             plan.note = f"{plan.note}; a trial of the untried engine mode {describe_mode(plan.mode)}".lstrip("; ")
-        elif trial_ok and band > 0 and untried and plan.mode in self.mode_offset_s:
+        elif trial_ok and band > 0 and untried:  # (the winner's mode has run)
             alt, alt_granted = min(untried, key=lambda pg: pg[0].prediction.step_s)
             if alt.prediction.step_s <= plan.prediction.step_s + band * float(workload.measured_step_s):
                 alt.trial = True
