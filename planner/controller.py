@@ -66,6 +66,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
+from scipy.optimize import nnls
 
 from zinf.errors import ZinfError
 from zinf.placement import DramNeed, Move, ShardPlacement
@@ -73,7 +74,7 @@ from zinf.sizing import DramSizing, Overlap
 
 from planner.background import PlanningProcessError, shared_process, warm_up
 
-from planner.costmodel import CostModel
+from planner.costmodel import CostModel, CostModelError
 from planner.hotness import ewma_difference_steps, ewma_effective_steps
 from planner.policy import Decision, PlacementPolicy, PolicySettings, diff_moves
 from planner.simulator import Simulator, calibrate
@@ -312,6 +313,12 @@ PLAN_RESIMULATE_HOMES = 128
 
 PLAN_MILP_GAP = 1e-4
 """Relative optimality gap of the controller's MILP solves (the linear model is itself approximate)."""
+
+MOVE_COST_MIGRATIONS = 8
+"""How many of the engine's latest migrations the cost of a move is fitted to."""
+
+MOVE_COST_PRIOR_MIB = 64
+"""Size (MiB) of the cost model's read-plus-write that anchors the per-byte part of that fit."""
 
 
 @dataclass
@@ -600,9 +607,9 @@ class AdaptiveController:
         # whose entries set the model's error and realised gain - a trial promised nothing
         self.trials: list[dict] = []
         self._warned: set[str] = set()
-        # Measured cost of this engine's migrations (seconds per byte moved, all overheads in),
-        # from the reports of the moves it applied; None until one moved bytes.
-        self.migration_s_per_byte: float | None = None
+        # This engine's recent migrations as (moves done, bytes copied, seconds), all overheads
+        # in: what moves really cost is fitted from them (:meth:`_move_cost`), newest last.
+        self.migrations_measured: list[tuple[int, int, float]] = []
         self._seen_report = None
         self.plans_skipped = 0  # scheduled re-plans not solved: nothing had changed
         self._last_solved: _Solved | None = None
@@ -1243,10 +1250,12 @@ class AdaptiveController:
         current = homes_of(engine.placement)
         shards = workload.shards.set_index("shard")
 
+        s_per_move, s_per_byte = self._move_cost(cost)
+
         def move_s(m: Move) -> float:
             nbytes = int(shards.at[m.shard, "param_bytes" if m.state == "param" else "optim_bytes"])
-            if self.migration_s_per_byte is not None:  # what this engine's moves really took
-                return nbytes * self.migration_s_per_byte
+            if self.migrations_measured:  # what this engine's moves really took (its whole
+                return s_per_move + nbytes * s_per_byte  # bytes: at most what the move copies)
             return float(cost.predict_s("nvme", "write" if m.dst == "nvme" else "read", nbytes))
 
         # The current placement with the overlap buffers it has; candidates with the buffers the
@@ -1615,7 +1624,7 @@ class AdaptiveController:
         # (its migration seconds spread over the horizon), the MILP keeps homes of nearly equal
         # worth where they are - the accesses of a few tokens a step reorder them from period to
         # period - and moves only what pays back. Whichever plan is cheaper counting its moves wins.
-        per_byte = self._move_s_per_byte(cost) / max(1, self.settings.replan_every * self.settings.horizon_plans)
+        per_byte = self._move_cost(cost)[1] / max(1, self.settings.replan_every * self.settings.horizon_plans)
         current = homes_of(engine.placement)
         try:
             sticky = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=wl.prefetch_bytes,
@@ -1647,13 +1656,38 @@ class AdaptiveController:
                 plan, granted = alt, alt_granted
         return plan, Simulator(granted, cost, prefetch_bytes=granted.prefetch_bytes)
 
-    def _move_s_per_byte(self, cost) -> float:
-        """Seconds a migration takes per byte moved: what this engine's moves measured, else the
-        cost model's read plus write of a MiB (a move to NVMe writes and reads back to verify)."""
-        if self.migration_s_per_byte is not None:
-            return self.migration_s_per_byte
+    def _move_cost(self, cost) -> tuple[float, float]:
+        """What a migration costs: ``(seconds per move, seconds per byte copied)``.
+
+        Fitted (non-negative least squares) to this engine's recent migrations, which measure
+        both parts: a move costs more than its disk I/O (verification read-back, buffer
+        re-sizing, the drain before it), and a move whose NVMe copy is current copies nothing.
+        One more row anchors the per-byte part at the cost model's read plus write of
+        ``MOVE_COST_PRIOR_MIB`` (a move to NVMe writes and reads back to verify), so that a single
+        migration, or several of the same shape, split their time by it: a migration of 126
+        moves that copied 2.4 MB in 89 ms, read as seconds per byte alone, priced the next plan's
+        78 MB at 3 s (the skewed MoE at 20%). Without migrations: the cost model's per byte only.
+        Where the cost model has no NVMe cost (a run that never read its disk), the migrations'
+        seconds are read as per byte alone.
+        """
         mib = 1 << 20
-        return float(cost.predict_s("nvme", "read", mib) + cost.predict_s("nvme", "write", mib)) / mib
+        measured = self.migrations_measured
+        try:
+            prior_per_mib = float(cost.predict_s("nvme", "read", mib) + cost.predict_s("nvme", "write", mib))
+        except CostModelError:
+            if not measured:
+                raise
+            copied = sum(nbytes for _, nbytes, _ in measured)
+            return 0.0, sum(sec for _, _, sec in measured) / max(1, copied)
+        if not measured:
+            return 0.0, prior_per_mib / mib
+        rows = [[moves, nbytes / mib] for moves, nbytes, _ in measured]
+        seconds = [sec for _, _, sec in measured]
+        # (weighted a tenth: it splits what the migrations leave open, not what they measure)
+        rows.append([0.0, 0.1 * MOVE_COST_PRIOR_MIB])
+        seconds.append(0.1 * MOVE_COST_PRIOR_MIB * prior_per_mib)
+        (s_per_move, s_per_mib), _ = nnls(np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float))
+        return float(s_per_move), float(s_per_mib) / mib
 
     def _note_mode(self, mode: Mode, residual_s: float) -> None:
         """The mode in force at a plan and its residual: the first mode is the offsets' origin; a
@@ -1708,17 +1742,15 @@ class AdaptiveController:
         return (plan, used_reserved) if plan is not None else (None, 0)
 
     def _learn_migration_cost(self, report) -> None:
-        """Fold a new migration report into :attr:`migration_s_per_byte` (EWMA, weight 1/2): a
-        move costs more than its disk I/O (verification read-back, buffer re-sizing), and the
-        adoption test must weigh what moves really cost."""
+        """Keep a new migration report in :attr:`migrations_measured` (the last
+        ``MOVE_COST_MIGRATIONS``), which :meth:`_move_cost` fits."""
         if report is None or report is self._seen_report:
             return
         self._seen_report = report
-        if report.bytes_moved <= 0 or report.seconds <= 0:
+        if not report.done or report.seconds <= 0:
             return
-        rate = report.seconds / report.bytes_moved
-        old = self.migration_s_per_byte
-        self.migration_s_per_byte = rate if old is None else 0.5 * (old + rate)
+        self.migrations_measured.append((len(report.done), int(report.bytes_moved), float(report.seconds)))
+        del self.migrations_measured[:-MOVE_COST_MIGRATIONS]
 
     def _split_drifted(self) -> None:
         """The steps that drifted from the prediction start a regime of their own in the step-noise

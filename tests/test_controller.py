@@ -292,6 +292,45 @@ def test_gain_realised_is_the_median_share_of_predicted_gains_that_landed():
     assert AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(error_plans=0)).gain_realised is None
 
 
+def test_a_migration_that_copied_little_does_not_price_large_ones_by_its_seconds_per_byte():
+    """What moves cost is fitted as seconds per move plus seconds per byte from the engine's
+    migrations, anchored by the cost model's per byte. The skewed MoE at 20%: 126 moves that
+    copied 2.4 MB took 89 ms; read as seconds per byte alone (38 ms/MB) the next plan's 78 MB
+    was priced at 3 s and refused. Two migrations of different shapes are fitted exactly."""
+    import numpy as np
+    import pandas as pd
+    from planner.controller import AdaptiveController, ControllerSettings
+    from planner.costmodel import CostModel
+    from zinf.placement import MigrationReport, Move
+
+    sizes = np.geomspace(1e4, 1e8, 24)  # 1 GB/s read, 0.5 GB/s write, 0.1 ms latency
+    cost = CostModel.fit(pd.DataFrame(
+        [{"tier": "nvme", "op": "read", "bytes": b, "seconds": 1e-4 + b / 1e9} for b in sizes]
+        + [{"tier": "nvme", "op": "write", "bytes": b, "seconds": 1e-4 + b / 5e8} for b in sizes]))
+    per_byte_prior = (2e-4 + (1 << 20) * (1 / 1e9 + 1 / 5e8)) / (1 << 20)  # a MiB read and written
+
+    def report(moves: int, nbytes: int, seconds: float) -> MigrationReport:
+        return MigrationReport(done=[Move(f"s{i}", "param", "cpu") for i in range(moves)],
+                               bytes_moved=nbytes, seconds=seconds)
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings())
+    per_move, per_byte = c._move_cost(cost)  # no migration yet: the cost model's read + write
+    assert per_move == 0 and per_byte == pytest.approx(per_byte_prior, rel=0.05)
+    c._learn_migration_cost(report(126, 2_400_000, 0.089))
+    per_move, per_byte = c._move_cost(cost)
+    assert 126 * per_move + 2_400_000 * per_byte == pytest.approx(0.089, rel=0.01)  # it prices itself right
+    big_s = 40 * per_move + 78_000_000 * per_byte
+    assert big_s < 0.5, f"78 MB in 40 moves priced at {big_s:.2f} s (by its seconds per byte alone: 2.9 s)"
+    # a second, differently shaped migration: both parts are measured, 0.5 ms a move + 4 ms per MB
+    c._learn_migration_cost(report(10, 50_000_000, 10 * 5e-4 + 50 * 4e-3))
+    c._learn_migration_cost(report(100, 1_000_000, 100 * 5e-4 + 1 * 4e-3))
+    c.migrations_measured.pop(0)  # (the first, off this line, no longer counts)
+    per_move, per_byte = c._move_cost(cost)
+    assert per_move == pytest.approx(5e-4, rel=0.05) and per_byte == pytest.approx(4e-9, rel=0.05)
+    c._learn_migration_cost(c._seen_report)  # the same report again (the next step): not counted twice
+    assert len(c.migrations_measured) == 2
+
+
 def _wl(rates: dict, measured_s: float):
     """A stand-in workload: the long-EWMA accesses per step by shard and a measured step."""
     import pandas as pd
