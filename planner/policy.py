@@ -191,8 +191,8 @@ class PlacementPolicy:
         current placement within this fraction of the step; the caller measures it and reverts
         it unless faster): taken whole (no warm band, no ping-pong hold: either would change the
         engine mode on trial), adopted when the model predicts any gain at all (not only one
-        above ``min_gain_fraction``) and the gain it may have (predicted + the band of the step)
-        pays back its migrations.
+        above ``min_gain_fraction``; before ``gain_scale``, which may be 0) and the gain it may
+        have (the scaled prediction + the band of the step) pays back its migrations.
         """
         s = self.settings
         self._rate_variance = _variance_spec(rate_variance)
@@ -216,15 +216,17 @@ class PlacementPolicy:
                     horizon_steps=horizon_steps, kept_by_warm_band=kept, pingpong_moves=pingpong,
                     held_back=held, gain_scale=gain_scale)
         scaled = f" (x{gain_scale:.2f}: what landed plans realised)" if gain_scale != 1.0 else ""
-        if trial and gain_s <= 0:
-            why = f"a trial needs a predicted gain; {gain_s * 1e3:.1f} ms/step{scaled} predicted"
+        # a trial needs the model to predict a gain at all, unscaled: it promises nothing, its
+        # measurement decides (a realised scale of 0 after one reverted plan barred every trial)
+        if trial and current_step_s - plan_step_s <= 0:
+            why = f"a trial needs a predicted gain; {(current_step_s - plan_step_s) * 1e3:.1f} ms/step predicted"
             return Decision(False, why, **base)
         if not trial and gain_s < min_gain * current_step_s:
             why = (f"predicted gain {gain_s * 1e3:.1f} ms/step{scaled} is below {min_gain:.0%} "
                    f"of the {current_step_s * 1e3:.1f} ms step")
             return Decision(False, why, **base)
         # a trial pays back on the gain it may have: the model cannot tell it within the band
-        payback_s = gain_s + (trial_band * current_step_s if trial else 0.0)
+        payback_s = max(0.0, gain_s) + trial_band * current_step_s if trial else gain_s
         if payback_s * horizon_steps <= s.margin * cost_s:
             why = (f"gain {payback_s * 1e3:.1f} ms/step{scaled}{' (at best, a trial)' if trial else ''} x {horizon_steps} "
                    f"steps does not beat {s.margin:g} x migration {cost_s * 1e3:.1f} ms")

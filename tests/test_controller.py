@@ -1014,6 +1014,51 @@ def test_trials_are_made_only_in_the_exploring_periods_whose_re_plans_are_solved
     assert controller._exploring(window_end - 1) and not controller._exploring(window_end)
 
 
+def test_a_reverted_first_plan_leaves_the_exploring_periods_their_trials(tmp_path):
+    """A plan (no trial) reverted inside the exploring periods starts them again: the next plan
+    may still be a trial, and the revert does not bar it (a trial is in a mode that never
+    ran, not the reverted plan's). On the H100's GPT at 30% the first plan was reverted and no
+    trial followed (0.83x of all-NVMe). The wrong first plan is injected as in
+    test_a_plan_measured_slower_is_reverted_and_not_tried_again."""
+    from planner.controller import AdaptiveController, ControllerSettings
+    from planner.policy import PolicySettings
+    from zinf.placement import Move
+
+    model, data, config, url = _profiled_tiny_gpt(tmp_path)
+    config["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**9  # every param in DRAM
+    calls = []  # (step, trial_ok) of the plans after the first
+
+    class WrongFirst(AdaptiveController):
+        def _best_plan(self, engine, workload, cost, trial_ok=False):
+            if self.plans_made > 0:
+                calls.append((self._step_now, trial_ok))
+                return super()._best_plan(engine, workload, cost, trial_ok=trial_ok)
+            plan, _ = super()._best_plan(engine, workload, cost)
+            plan.placement = {n: {"param": "nvme", "optim": "nvme"} for n in engine.placement}
+            return plan, _WrongModel()
+
+    with zinf.initialize(model, config) as engine:
+        engine.migrate([Move(n, "optim", "cpu") for n, t in engine.placement.items() if t["optim"] == "nvme"])
+        controller = WrongFirst(url, engine.recorder, 64 * MiB, ControllerSettings(
+            replan_every=REPLAN, first_plan_after=6, trial_periods=3, plan_lag_steps=0, error_plans=0,
+            policy=PolicySettings(margin=0, min_gain_fraction=0)))
+        engine.controller = controller
+        for step in range(6 * REPLAN):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        engine.recorder.flush()
+        plans = queries.plans(url, engine.recorder.run_id)
+    assert controller.plans_reverted == 1, plans[["created_step", "adopted"]]
+    first = int(plans["created_step"].iat[0])
+    reverted_at = int(next(r for r, why in zip(plans["created_step"], plans["reason"]) if why.get("trigger") == "revert"))
+    assert reverted_at < first + 3 * REPLAN  # (inside the exploring periods)
+    window_end = reverted_at + 3 * REPLAN
+    assert controller._explore_until == window_end, "the exploring periods start again at the revert"
+    assert any(ok for s, ok in calls if s > reverted_at), calls
+    assert all(not ok for s, ok in calls if s + REPLAN > window_end), calls
+
+
 def test_after_the_exploring_periods_a_plan_in_an_untried_mode_must_clear_the_band_too(tmp_path):
     """Past the trial window a plan in an engine mode that never ran is no trial: its gain must
     clear ``min_gain_fraction`` plus ``trial_band`` (its calibration is borrowed). A plan

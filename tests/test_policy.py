@@ -270,7 +270,7 @@ def test_a_trial_is_taken_whole_within_its_band_and_pays_back_on_the_gain_it_may
     """A trial (the model cannot tell how far off it is: its engine mode never ran) is adopted on
     any predicted gain, below the gate too, not on none; neither the warm band nor the ping-pong
     hold trims it (either would change the mode on trial); its payback counts the band as the
-    gain it may have."""
+    gain it may have, also where the gains are scaled to 0."""
     homes, saved, size, density = setup(3)
     policy = PlacementPolicy(PolicySettings(warm_band=0.5, min_gain_fraction=0.05, margin=1.5))
     flat = {h: 0.01 for h in homes}
@@ -297,3 +297,10 @@ def test_a_trial_is_taken_whole_within_its_band_and_pays_back_on_the_gain_it_may
     assert policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.23, trial_band=0.05, **kw).adopt
     costly = policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.24, trial_band=0.05, **kw)
     assert not costly.adopt and "does not beat" in costly.reason
+    # a gain scale of 0 (a plan realised nothing) does not bar a trial: it is measured; it pays
+    # back on the band alone - 0.05 s x 10 steps = 0.5 s against 1.5 x 2 moves x 0.16 s = 0.48 s
+    unscaled = policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.16, trial_band=0.05,
+                             gain_scale=0.0, **kw)
+    assert unscaled.adopt and unscaled.gain_s_per_step == 0.0
+    assert not policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.17, trial_band=0.05,
+                             gain_scale=0.0, **kw).adopt

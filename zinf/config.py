@@ -637,7 +637,8 @@ class PlacementConfig(_Section):
     trial_periods: int = Field(2, ge=0)
     """Adaptive: the re-plan periods after the first plan in which untried engine modes are tried
     (see ``trial_band``): exploring ends before the steady state, where a trial that measured
-    slower would move homes there and back. 0: no trials."""
+    slower would move homes there and back. A plan reverted within them (no trial) starts them
+    again. 0: no trials."""
 
 
 class ProfilerConfig(_Section):
