@@ -1059,6 +1059,47 @@ def test_a_reverted_first_plan_leaves_the_exploring_periods_their_trials(tmp_pat
     assert all(not ok for s, ok in calls if s + REPLAN > window_end), calls
 
 
+def test_every_home_on_nvme_is_a_candidate_the_splits_of_the_budget_do_not_make(tmp_path):
+    """Each split of the budget reserves room for buffers and fills the rest with homes, so none
+    proposes every movable home on NVMe - the placement for which the engine grants the most
+    buffers (on an H100, the GPT at 30% ran it 11% faster than any plan the splits made). It is a
+    candidate of its own: where the model puts it fastest, it is the plan. The model is steered
+    by a wrapper that predicts that placement at 1 ms (the others as simulated)."""
+    from dataclasses import replace
+
+    from planner.controller import AdaptiveController, ControllerSettings
+    from planner.policy import PolicySettings
+
+    model, data, config, url = _profiled_tiny_gpt(tmp_path)
+    seen = []  # every placement a plan was predicted for, whether it was all-NVMe
+
+    class Steered(AdaptiveController):
+        def _as_granted(self, engine, workload, plan, cost):
+            granted = super()._as_granted(engine, workload, plan, cost)
+            all_nvme = plan.placement == workload.all_nvme_placement()
+            seen.append(all_nvme)
+            if all_nvme:
+                plan.prediction = replace(plan.prediction, step_s=1e-3)
+            return granted
+
+    with zinf.initialize(model, config) as engine:
+        controller = Steered(url, engine.recorder, 64 * MiB, ControllerSettings(
+            replan_every=REPLAN, first_plan_after=6, plan_lag_steps=0,
+            policy=PolicySettings(margin=0, min_gain_fraction=0)))
+        engine.controller = controller
+        for step in range(8):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+            if controller.plans_made:
+                break
+        engine.recorder.flush()
+    assert controller.plans_made == 1 and seen.count(True) == 1 and len(seen) > 1, seen
+    placement = controller.last_plan.placement
+    assert all(t["param"] in ("nvme", "gpu") and t["optim"] in ("nvme", "none") for t in placement.values()), placement
+    assert controller.last_plan.note == "every movable home on NVMe"
+
+
 def test_after_the_exploring_periods_a_plan_in_an_untried_mode_must_clear_the_band_too(tmp_path):
     """Past the trial window a plan in an engine mode that never ran is no trial: its gain must
     clear ``min_gain_fraction`` plus ``trial_band`` (its calibration is borrowed). A plan
