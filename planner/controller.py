@@ -255,6 +255,16 @@ class ControllerSettings:
     no trial, reverted within them, starts them again at its revert (it took them to be measured;
     a reverted plan does not bar a trial either: the trial's mode never ran). 0: no trials."""
 
+    trial_verify_steps: int = 10
+    """Steps a trial is measured over at most. A trial whose first ``verify_steps`` measure within
+    :attr:`AdaptiveController.step_noise` of the placement before it (either way) is measured on,
+    up to this many steps, before it is kept (if faster) or reverted: five steps of a few tokens
+    each vary by 20-30%, and on the 2-core VM's MoE at 30% a trial of updates during backward,
+    measured 3% slower over five, was reverted, where the run that kept it ran its last 32 steps
+    1.24x faster. A trial judged clearly faster or slower, or whose steps drift from its first
+    ones by ``drift_fraction`` (the accesses changed), is judged at once on its first steps.
+    ``verify_steps`` or less: trials are judged like plans, on ``verify_steps`` steps."""
+
     policy: PolicySettings = field(default_factory=PolicySettings)
 
 
@@ -580,7 +590,8 @@ class AdaptiveController:
         # the first step run with the current placement complete (the run's first step at the start)
         self._settled_step = 1
         self._last_plan_step = 0
-        self._recent_s: deque[float] = deque(maxlen=max(1, self.settings.drift_steps, self.settings.verify_steps))
+        self._recent_s: deque[float] = deque(maxlen=max(1, self.settings.drift_steps, self.settings.verify_steps,
+                                                        self.settings.trial_verify_steps))
         # the measured steps of the newest placements, one list per placement (newest last): their
         # spread, each about its own placement's median, is what a revert test can tell apart
         self._placement_s: deque[list[float]] = deque([[]], maxlen=8)
@@ -771,7 +782,8 @@ class AdaptiveController:
         promise 6% (the dense GPT at 50%: such plans measured no gain and were reverted, every
         revert ping-pong); not for a reaction to a drift, whose newest accesses neither the older
         plans nor the older steps it is calibrated on ran (the first plans for a new routing must
-        not wait on the old one's errors). ``min_gain_fraction`` 0 asks for every predicted gain (tests, a user
+        not wait on the old one's errors), nor for a probe (:meth:`_probe_due`, passed as
+        ``drifted``). ``min_gain_fraction`` 0 asks for every predicted gain (tests, a user
         who knows): no noise term."""
         floor = self.policy.settings.min_gain_fraction
         if floor <= 0:
@@ -791,6 +803,19 @@ class AdaptiveController:
                 known = [e for e in (self._error_of(since_shift), calibration_error) if e is not None]
                 model_term = max(known) if known else None
         return max(floor, noise_term, model_term or 0.0)
+
+    def _probe_due(self, shifted: bool, realised: float | None) -> bool:
+        """Whether the plan being made is a *probe*: the accesses shifted earlier (a routing
+        change, :meth:`accesses_shifted`), and no plan made since has landed and been measured -
+        the reaction was refused, or found nothing to move. Such a plan is gated like a reaction
+        (:meth:`min_gain_fraction` without the model's error): the model's error on the new
+        accesses is what only a landed plan measures, and holding plans to its error on the
+        placement in force kept every one out. On the 2-core VM's MoE at 20%, after a routing
+        change whose reaction promised 3%, plans promising up to 18% were refused against a 25-32%
+        calibration error for the rest of the run (6 periods), at 1.23x the reference run's step. Its outcome then
+        gates the next plans; a probe that measures slower is reverted like any plan."""
+        return (self._rates_from_step > 0 and not shifted and realised is None
+                and not self._verified_like(None))
 
     def gain_realised_for(self, rates: "pd.Series | None") -> float | None:
         """:attr:`gain_realised` over the plans made from accesses like ``rates`` only (not
@@ -937,8 +962,13 @@ class AdaptiveController:
         if self._verify is not None and s.revert_fraction is None and not self._verify.trial:
             self._verify = None  # (a trial is always measured: that is what it is for)
         if self._verify is not None and len(self._recent_s) >= self._verify_steps:
+            judged_on = list(self._recent_s)[-max(s.drift_steps, s.verify_steps):]
+            if self._verify.trial:
+                judged_on = self._trial_steps(list(self._recent_s))
+                if judged_on is None:
+                    return None  # within the noise of the placement before it: measured on
             check, self._verify = self._verify, None
-            measured = statistics.median(self._recent_s)
+            measured = statistics.median(judged_on)
             if (check.mode is not None and check.model_step_s is not None and check.mode != check.before_mode
                     and check.before_mode in self.mode_offset_s):
                 # the residual that would have predicted what its mode measured, against the
@@ -1243,7 +1273,9 @@ class AdaptiveController:
         # run, a trial's never has (the H100's GPT at 30%: the first plan was reverted, and with it
         # went the trial of all-NVMe with updates during backward, 11% faster than max_in_cpu).
         trial_ok = self.plans_made > 0 and self._may_try(step) and not drifted and not shifted
-        plan, sim = self._best_plan(engine, configured.with_overhead(workload.overhead_s), cost, trial_ok=trial_ok)
+        s_per_move, s_per_byte = self._move_cost(cost)
+        plan, sim = self._best_plan(engine, configured.with_overhead(workload.overhead_s), cost, trial_ok=trial_ok,
+                                    move_s_per_byte=s_per_byte)
         trial = bool(getattr(plan, "trial", False))
         # a plan in a mode that never ran, not tried: its calibration is borrowed, its error
         # unknown by up to trial_band of the step - it must clear that too (a reaction to a
@@ -1252,8 +1284,6 @@ class AdaptiveController:
         now_sim = Simulator(workload, cost, prefetch_bytes=overlap.prefetch_bytes)
         current = homes_of(engine.placement)
         shards = workload.shards.set_index("shard")
-
-        s_per_move, s_per_byte = self._move_cost(cost)
 
         def move_s(m: Move) -> float:
             nbytes = int(shards.at[m.shard, "param_bytes" if m.state == "param" else "optim_bytes"])
@@ -1277,7 +1307,8 @@ class AdaptiveController:
         noise = self.step_noise
         # what calibrating on the placement in force had to add: the model's error on what it measures
         calibration_error = abs(float(workload.overhead_s)) / float(workload.measured_step_s) if workload.measured_step_s else None
-        min_gain = self.min_gain_fraction(rates, realised, noise, shifted, calibration_error)
+        probe = self._probe_due(shifted, realised)
+        min_gain = self.min_gain_fraction(rates, realised, noise, shifted or probe, calibration_error)
         if untried and not shifted:
             min_gain += s.trial_band
         decision = self.policy.decide(
@@ -1310,7 +1341,7 @@ class AdaptiveController:
             "model_error": self.model_error, "model_gain_s": model_gain_s, "step_noise": noise,
             "min_gain_fraction": min_gain, "accesses_shifted": shifted, "calibration_error": calibration_error,
             "model": _model_numbers(workload), "trial": trial, "mode": describe_mode(getattr(plan, "mode", mode_of(workload))),
-            "mode_untried": untried,
+            "mode_untried": untried, "probe": probe,
         }
         self.recorder.record_plan(
             self.plans_made, _assignments(engine.placement, decision.placement, density), policy="adaptive", created_step=step,
@@ -1502,6 +1533,29 @@ class AdaptiveController:
                     f"{check.model_gain_s * 1e3:.1f} ms/step promised")
         return None
 
+    def _trial_steps(self, steps: list[float]) -> list[float] | None:
+        """The steps of the trial being measured (``steps``, all of them since it landed) that it is
+        judged on now, or None to measure it on (:attr:`ControllerSettings.trial_verify_steps`):
+        its first ``verify_steps`` when the newest ones drifted from them by ``drift_fraction``
+        (the accesses changed under it: a routing change would judge the trial on the new
+        routing against a placement measured on the old); all of them once it measured clearly
+        faster or slower than the placement before it (by more than :attr:`step_noise`, all
+        taken when that is unknown yet) or ``trial_verify_steps`` were measured."""
+        s = self.settings
+        first = steps[:self._verify_steps]
+        later = steps[self._verify_steps:][-s.drift_steps:]
+        if len(later) >= s.drift_steps:
+            level = statistics.median(first)
+            if abs(statistics.median(later) - level) > s.drift_fraction * level:
+                return first
+        if len(steps) >= s.trial_verify_steps:
+            return steps
+        before = self._verify.before_s
+        noise = self.step_noise
+        if noise is not None and abs(statistics.median(steps) - before) > noise * before:
+            return steps
+        return None
+
     def _judge_again(self, engine, step: int) -> list[Move] | None:
         """A kept plan, judged once more when the next plan is due, over every step of its
         placement so far (at most ``window_steps``, at least twice ``verify_steps``): a few lucky
@@ -1556,7 +1610,8 @@ class AdaptiveController:
         self._last_plan_step = step
         return moves
 
-    def _best_plan(self, engine, workload: Workload, cost, trial_ok: bool = False) -> tuple[Plan, Simulator]:
+    def _best_plan(self, engine, workload: Workload, cost, trial_ok: bool = False,
+                   move_s_per_byte: float | None = None) -> tuple[Plan, Simulator]:
         """The fastest predicted plan over a few ways of splitting the budget between homes and
         the engine's overlap buffers.
 
@@ -1577,7 +1632,8 @@ class AdaptiveController:
         marked ``plan.trial``; when the winner's mode has run but another split's plan is in a
         mode that never ran and predicted within ``trial_band`` of the winner's step, that plan
         is returned instead, marked ``plan.trial``: the model cannot tell the two apart, as its
-        calibration of that mode is borrowed.
+        calibration of that mode is borrowed. ``move_s_per_byte``: what a migration costs per byte
+        copied (:meth:`_move_cost`, which the caller has fitted already; fitted here if None).
         """
         need = engine.dram_need
         shards = workload.shards
@@ -1624,8 +1680,8 @@ class AdaptiveController:
         # any split above reserves for them (a split's room goes to a home or two instead). On an
         # H100 the GPT at 30% ran all-NVMe with updates during backward at 0.445 s, while the best
         # split's plan in that mode, with one param in DRAM and a smaller window, was put at 0.58 s.
-        nvme = replace(best[0], placement=workload.all_nvme_placement(), note="every movable home on NVMe",
-                       dram_bytes=workload.dram_bytes(workload.all_nvme_placement()))
+        all_nvme = workload.all_nvme_placement()
+        nvme = replace(best[0], placement=all_nvme, note="every movable home on NVMe", dram_bytes=workload.dram_bytes(all_nvme))
         nvme_granted = self._as_granted(engine, workload, nvme, cost)
         if nvme.mode not in by_mode or nvme.prediction.step_s < by_mode[nvme.mode][0].prediction.step_s:
             by_mode[nvme.mode] = (nvme, nvme_granted)
@@ -1642,7 +1698,9 @@ class AdaptiveController:
         # (its migration seconds spread over the horizon), the MILP keeps homes of nearly equal
         # worth where they are - the accesses of a few tokens a step reorder them from period to
         # period - and moves only what pays back. Whichever plan is cheaper counting its moves wins.
-        per_byte = self._move_cost(cost)[1] / max(1, self.settings.replan_every * self.settings.horizon_plans)
+        if move_s_per_byte is None:
+            move_s_per_byte = self._move_cost(cost)[1]
+        per_byte = move_s_per_byte / max(1, self.settings.replan_every * self.settings.horizon_plans)
         current = homes_of(engine.placement)
         try:
             sticky = solve(wl, cost, self.dram_budget_bytes, reserved_bytes=reserved, prefetch_bytes=wl.prefetch_bytes,

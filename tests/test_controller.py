@@ -216,8 +216,8 @@ def test_a_plan_measured_slower_is_reverted_and_not_tried_again(tmp_path):
     config["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**9  # every param in DRAM
 
     class WrongPlanner(AdaptiveController):
-        def _best_plan(self, engine, workload, cost, trial_ok=False):
-            plan, _ = super()._best_plan(engine, workload, cost)  # (no trial: a plan that promised a gain)
+        def _best_plan(self, engine, workload, cost, trial_ok=False, **kw):
+            plan, _ = super()._best_plan(engine, workload, cost, **kw)  # (no trial: a plan that promised a gain)
             plan.placement = {n: {"param": "nvme", "optim": "nvme"} for n in engine.placement}
             return plan, _WrongModel()
 
@@ -901,8 +901,8 @@ def _trial_run(tmp_path, start: str, tried: str):
     modes = []  # the untried mode the trial is said to be in
 
     class TrialOnce(AdaptiveController):
-        def _best_plan(self, engine, workload, cost, trial_ok=False):
-            plan, sim = super()._best_plan(engine, workload, cost, trial_ok=False)
+        def _best_plan(self, engine, workload, cost, trial_ok=False, **kw):
+            plan, sim = super()._best_plan(engine, workload, cost, trial_ok=False, **kw)
             if self.plans_made == 0:
                 assert len(self.mode_offset_s) == 1, "the mode in force is calibrated before planning"
                 # every overlap buffer or none: whichever this engine is not in
@@ -979,6 +979,60 @@ def test_a_trial_is_judged_by_whether_it_measured_faster_alone():
     assert c._failed_by(plan, 0.510) is None and c._failed_by(trial, 0.510) is not None
 
 
+def test_a_trial_within_the_noise_is_measured_on_and_one_whose_steps_drift_is_judged_on_its_first():
+    """A trial whose first verify_steps measure within the step noise of the placement before it
+    is not judged yet (None: measured on) up to trial_verify_steps; clearly faster or slower, it
+    is judged at once; when its newest steps drift from its first ones by drift_fraction (the
+    accesses changed under it), it is judged on its first verify_steps alone."""
+    from collections import deque
+
+    from planner.controller import AdaptiveController, ControllerSettings, _Check
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(verify_steps=5, trial_verify_steps=10,
+                                                                          drift_steps=3, drift_fraction=0.25))
+    c._verify = _Check(step=16, before_s=0.200, before={}, predicted_s=0.190, rates=None, model_gain_s=0.010,
+                       trial=True, mode=(True, True, True, True))
+    assert c._trial_steps([0.204] * 5) is None  # noise unknown yet: measured on
+    c._placement_s = deque([[0.20, 0.18, 0.22, 0.20, 0.19, 0.21, 0.20, 0.17, 0.23]])
+    noise = c.step_noise
+    assert 0.02 < noise < 0.1, noise
+    within = [0.200 * (1 + noise / 2)] * 5
+    assert c._trial_steps(within) is None
+    assert c._trial_steps(within * 2) == within * 2  # trial_verify_steps measured: judged on all
+    assert c._failed_by(c._verify, 0.200 * (1 + noise / 2)) is not None  # (and not faster: reverted)
+    clear = [0.200 * (1 - 2 * noise)] * 5
+    assert c._trial_steps(clear) == clear and c._failed_by(c._verify, clear[0]) is None
+    drifted = within + [0.200 * 1.5] * 3  # the newest 3 steps 50% above the first 5
+    assert c._trial_steps(drifted) == within
+    assert c._trial_steps(within + [0.200] * 3) is None  # the same level: measured on
+    short = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(verify_steps=5, trial_verify_steps=5))
+    short._verify = c._verify
+    assert short._trial_steps(within) == within  # trial_verify_steps <= verify_steps: judged like a plan
+
+
+def test_after_a_shift_the_first_plan_to_land_is_a_probe_gated_without_the_models_error():
+    """After a shift of the accesses (a routing change), until a plan made since has landed and
+    been measured, a plan is a probe: min_gain_fraction leaves the model's error out of its bar
+    (the calibration error on the placement in force, which only a landed plan for the new
+    accesses can replace). Before any shift, during the reaction itself, and once such a plan was
+    measured (kept or reverted), plans are held to it as before."""
+    from planner.controller import AdaptiveController
+
+    c = AdaptiveController("sqlite://", None, 1 << 30)
+    noise, calibration_error = 0.10, 0.30
+    assert not c._probe_due(shifted=False, realised=None)  # no shift yet
+    assert c.min_gain_fraction(None, None, noise, False, calibration_error) == pytest.approx(0.30)
+    c._rates_from_step = 25  # a shift was seen at the plan of step 28
+    assert not c._probe_due(shifted=True, realised=None)  # the reaction is gated as a reaction already
+    c.verified.append({"step": 16, "predicted_s": 0.2, "measured_s": 0.2, "before_s": 0.3, "model_gain_s": 0.1})
+    assert c._probe_due(shifted=False, realised=None)  # a plan measured before the shift does not count
+    assert c.min_gain_fraction(None, None, noise, True, calibration_error) == pytest.approx(0.10)
+    assert not c._probe_due(shifted=False, realised=0.5)  # a realised gain for these accesses: scaled instead
+    c.verified.append({"step": 36, "predicted_s": 0.2, "measured_s": 0.25, "before_s": 0.24, "model_gain_s": 0.04,
+                       "kept": False})
+    assert not c._probe_due(shifted=False, realised=None)  # the probe landed and was measured (here reverted)
+
+
 def test_trials_are_made_only_in_the_exploring_periods_whose_re_plans_are_solved_on_schedule(tmp_path):
     """Untried engine modes are tried in the first ``trial_periods`` re-plan periods after the
     first plan (a trial starting while a period is left for measuring it) and never later: the first plan and every plan after the window are made with
@@ -990,9 +1044,9 @@ def test_trials_are_made_only_in_the_exploring_periods_whose_re_plans_are_solved
     calls = []  # (step, trial_ok) of every plan solved
 
     class Watched(AdaptiveController):
-        def _best_plan(self, engine, workload, cost, trial_ok=False):
+        def _best_plan(self, engine, workload, cost, trial_ok=False, **kw):
             calls.append((self._step_now, trial_ok))
-            return super()._best_plan(engine, workload, cost, trial_ok=trial_ok)
+            return super()._best_plan(engine, workload, cost, trial_ok=trial_ok, **kw)
 
     with zinf.initialize(model, config) as engine:
         controller = Watched(url, engine.recorder, 64 * MiB, ControllerSettings(
@@ -1033,11 +1087,11 @@ def test_a_reverted_first_plan_leaves_the_exploring_periods_their_trials(tmp_pat
     calls = []  # (step, trial_ok) of the plans after the first
 
     class WrongFirst(AdaptiveController):
-        def _best_plan(self, engine, workload, cost, trial_ok=False):
+        def _best_plan(self, engine, workload, cost, trial_ok=False, **kw):
             if self.plans_made > 0:
                 calls.append((self._step_now, trial_ok))
-                return super()._best_plan(engine, workload, cost, trial_ok=trial_ok)
-            plan, _ = super()._best_plan(engine, workload, cost)
+                return super()._best_plan(engine, workload, cost, trial_ok=trial_ok, **kw)
+            plan, _ = super()._best_plan(engine, workload, cost, **kw)
             plan.placement = {n: {"param": "nvme", "optim": "nvme"} for n in engine.placement}
             return plan, _WrongModel()
 
@@ -1129,8 +1183,8 @@ def test_after_the_exploring_periods_a_plan_in_an_untried_mode_must_clear_the_ba
         def min_gain_fraction(self, *args, **kwargs):
             return 0.02
 
-        def _best_plan(self, engine, workload, cost, trial_ok=False):
-            plan, sim = super()._best_plan(engine, workload, cost, trial_ok=False)
+        def _best_plan(self, engine, workload, cost, trial_ok=False, **kw):
+            plan, sim = super()._best_plan(engine, workload, cost, trial_ok=False, **kw)
             if self.plans_made == 0:
                 return plan, sim
             untried = next(m for m in ((False,) * 4, (True,) * 4) if m not in self.mode_offset_s)
