@@ -105,6 +105,39 @@ def test_updates_during_backward_skip_the_gradient_files(tmp_path):
     assert grad_writes(off) > 0
 
 
+@pytest.mark.parametrize("case", ["gpt_tied", "moe_idle"])
+def test_updates_during_backward_read_one_group_ahead_in_this_passs_order(case, tmp_path):
+    """With updates during backward and a read-ahead granted, the optimizer group of the next
+    NVMe shard backward will update (this pass's forward order, reversed: a routed model's
+    experts are the ones it routed to) is read while the current module's backward runs; training
+    still matches plain PyTorch, and every group read ahead is used or given back (the buffers in
+    use do not grow). Without a read-ahead granted (pipeline_read off) nothing is read ahead."""
+    make, gas, clip = MODELS[case]
+    model, data = make()
+    ref_losses, ref_params = train_plain(copy.deepcopy(model), data, gas, clip)
+    config = placement_config("nvme", tmp_path, model)
+    losses, params, _ = train_zinf(copy.deepcopy(model), data, gas, clip, config)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    for name, ref_p in ref_params.items():
+        assert (params[name] - ref_p).abs().max().item() <= TOL, name
+    with _train(copy.deepcopy(model), data, config, steps=3) as engine:
+        assert engine.overlap.eager and engine.overlap.read_ahead_bytes > 0
+        engine.drain()  # (reads and writes in flight land; what is still handed out is held)
+        ahead, in_use = engine.backward_reads_ahead, engine._buffers.in_use_bytes
+        assert ahead > 0
+        for step in range(3, 6):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+        assert engine.backward_reads_ahead > ahead  # every step reads ahead
+        engine.drain()
+        assert engine._buffers.in_use_bytes <= in_use  # none left behind
+    config["zero_optimization"]["offload_optimizer"]["pipeline_read"] = False
+    with _train(copy.deepcopy(model), data, config, steps=2) as engine:
+        assert engine.overlap.eager and engine.overlap.read_ahead_bytes == 0
+        assert engine.backward_reads_ahead == 0
+
+
 def test_a_tight_budget_turns_overlap_off_not_training(tmp_path):
     model, data = MODELS["gpt_tied"][0]()
     config = placement_config("nvme", tmp_path, model)

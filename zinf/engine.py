@@ -173,6 +173,16 @@ class Engine:
         self._in_backward = False
         self._step_timer = _StepTimer()
         self._backward_held: list[ShardState] = []  # shards acquired by backward pre-hooks
+        # Updates during backward read each NVMe shard's optimizer group when backward reaches its
+        # module; one more is read ahead, in the order this pass's forward makes backward visit
+        # them (reversed): which modules ran is this pass's, so a routed model's experts are
+        # read for the experts it routed to (an earlier step's trace would guess).
+        self._forward_order: dict[int, ShardState] = {}  # shard index -> state, first call first
+        self._backward_queue: list[ShardState] = []  # this backward's NVMe groups, in their order
+        self._backward_pos: dict[int, int] = {}  # shard index -> position in _backward_queue
+        self._backward_updated: set[int] = set()  # shard indices updated during this backward
+        self._read_ahead_st: ShardState | None = None  # the group read ahead, until its update
+        self.backward_reads_ahead = 0  # groups read ahead during backward since initialize
         self.traffic_total = _Traffic()  # bytes moved per tier since initialize
         self.last_step: dict = {}  # phase timings of the last optimizer step
         self._drained = False  # drain() ran since the last optimizer step: the next one starts cold
@@ -590,6 +600,8 @@ class Engine:
         def hook(module, args):
             phase = "recompute" if self._in_backward else "forward"
             for st in states:
+                if phase == "forward":
+                    self._forward_order.setdefault(st.shard.index, st)
                 self._acquire(st, phase)
 
         return hook
@@ -611,8 +623,44 @@ class Engine:
                     # its update will run as soon as its gradient is final: read its optimizer
                     # group now, while the module's backward computes
                     st.group_reads = self._read_group_async(st, with_grad=False)
+            if self._backward_queue:
+                self._read_group_ahead(states)
 
         return hook
+
+    def _plan_backward_reads(self) -> None:
+        """Before a backward whose updates run during it: the NVMe optimizer groups it will update,
+        in the order it will reach them (this pass's forward order, reversed), when the engine
+        was granted a read-ahead of a group (``overlap.read_ahead_bytes``, otherwise the
+        optimizer phase's, which updates during backward leave idle)."""
+        self._backward_queue, self._backward_pos, self._backward_updated = [], {}, set()
+        self._read_ahead_st = None
+        if not (self.overlap.eager and self.overlap.read_ahead_bytes > 0 and self._last_micro_batch()):
+            return
+        self._backward_queue = [st for st in reversed(self._forward_order.values())
+                                if st.place.optim == "nvme" and st.shard.trainable and len(st.shard.members) == 1]
+        self._backward_pos = {st.shard.index: k for k, st in enumerate(self._backward_queue)}
+
+    def _read_group_ahead(self, states: list[ShardState]) -> None:
+        """Backward reached the module of ``states``: start reading the optimizer group of the next
+        NVMe shard backward will update after them, one group ahead at most, if it fits the
+        read-ahead granted. On the skewed MoE (16 tokens a step) a module's own backward is too
+        short to hide its group's read behind: the update waited for it."""
+        ahead = self._read_ahead_st
+        if ahead is not None and ahead.group_reads is not None:
+            return  # the group read ahead is still waiting for its module
+        here = max((self._backward_pos.get(st.shard.index, -1) for st in states), default=-1)
+        if here < 0:
+            return
+        for nxt in self._backward_queue[here + 1:]:
+            if nxt.group_reads is not None or nxt.shard.index in self._backward_updated:
+                continue  # read already (its module's own hook, or out of order), or updated
+            names = 1 + (len(self.optimizer.state_names) if nxt.has_moments else 0)
+            if names * nxt.shard.numel * 4 <= self.overlap.read_ahead_bytes:
+                nxt.group_reads = self._read_group_async(nxt, with_grad=False)
+                self._read_ahead_st = nxt
+                self.backward_reads_ahead += 1
+            return
 
     def _make_post_backward(self, states: list[ShardState]):
         def hook(module, grad_input, grad_output):
@@ -906,6 +954,7 @@ class Engine:
         """Clipping is off and this shard's gradient is final: update it now, on the optimizer
         worker, while backward goes on. Waits (a stall) when two updates are already queued."""
         st.arrived_now.clear()
+        self._backward_updated.add(st.shard.index)
         group, st.group_reads = st.group_reads, None
         if st.place.optim != "nvme":
             group = None  # DRAM homes: nothing to read
@@ -949,6 +998,12 @@ class Engine:
             if st.arrived_now:
                 self._grad_complete(st)
             st.arrived_now.clear()
+        for st in self._backward_queue:  # groups read for a module whose backward never came
+            if st.group_reads is not None:
+                for future in st.group_reads.values():
+                    self._discard_read(future)
+                st.group_reads = None
+        self._backward_queue, self._backward_pos, self._read_ahead_st = [], {}, None
         self._free_kept()
         self._prefetcher.end_recording()
         # The next pass may start reading now, unless an optimizer step comes first: it
@@ -1032,6 +1087,8 @@ class Engine:
             self._step_timer.start()
         if self._prefetcher.recording and self._prefetcher.trace and not self._in_backward:
             self._prefetcher.end_recording()  # a forward-only pass (evaluation) came before
+        if not self._in_backward:
+            self._forward_order = {}  # the modules this pass runs, in order (the backward's reads)
         if self._pass_open != "fresh" and not self._in_backward:
             self._free_kept()
             self._prefetcher.begin_pass()
@@ -1065,6 +1122,7 @@ class Engine:
             # scaled loss itself would overflow fp16 long before the gradients do.
             scaled = scaled.float() * self.loss_scaler.scale
         self._backward_held = []
+        self._plan_backward_reads()
         self._in_backward = True
         try:
             with record_function("zinf.backward"), warnings.catch_warnings():
