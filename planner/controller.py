@@ -708,7 +708,8 @@ class AdaptiveController:
         # Both EWMAs read the same steps: their difference varies as the weights' difference says
         # (_change_z adds two variances, each over twice its effective steps): 0.6-0.8 of the
         # two EWMAs' own variances added, which count the newest steps' noise twice.
-        n = 2.0 * ewma_difference_steps(self._short_halflife, self._long_halflife, self._rate_series_steps(self._step_now))
+        n = 2.0 * ewma_difference_steps(self._short_halflife, self._long_halflife_at(self._step_now),
+                                        self._rate_series_steps(self._step_now))
         return self._beyond_noise(short, long, n, n, varying_only=True)
 
     def _beyond_noise(self, a: "pd.Series", b: "pd.Series", a_steps: float, b_steps: float,
@@ -734,7 +735,7 @@ class AdaptiveController:
     def _rate_steps(self, step: int, which: str = "long") -> float:
         """Effective steps of the ``which`` ("long" or "short") EWMA of the accesses a plan after
         ``step`` reads."""
-        halflife = self._long_halflife if which == "long" else self._short_halflife
+        halflife = self._long_halflife_at(step) if which == "long" else self._short_halflife
         return ewma_effective_steps(halflife, self._rate_series_steps(step))
 
     def _rate_series_steps(self, step: int) -> int:
@@ -742,10 +743,21 @@ class AdaptiveController:
         early in the run."""
         return max(1, min(int(step) - 1, self._rate_window(step)))
 
-    @property
-    def _long_halflife(self) -> float:
-        """Halflife of the long EWMA of the accesses (steps): ``rate_halflife_periods`` re-plan periods."""
-        return float(self.settings.rate_halflife_periods * self.settings.replan_every)
+    def _long_halflife_at(self, step: int) -> float:
+        """Halflife of the long EWMA of the accesses a plan after ``step`` reads (steps):
+        ``rate_halflife_periods`` re-plan periods; while the steps since a shift of the accesses
+        are fewer than the rate window (:meth:`_rate_window`), at most a quarter of them (at least
+        the short halflife). The EWMA starts at the window's first step, which therefore weighs
+        as much as all the steps before it would have: 65% of the 12 steps since a routing change
+        at a 16-step halflife, 6% at a quarter of them. The plans after a reaction were made for
+        that one step's routing: in every VM drift run of session 29 they were predicted at 71-97
+        ms and measured 163-221 ms, and were reverted."""
+        s = self.settings
+        full = float(s.rate_halflife_periods * s.replan_every)
+        since = step - self._rates_from_step
+        if self._rates_from_step and 0 < since < s.rate_window_periods * s.replan_every:
+            return min(full, max(self._short_halflife, since / 4))
+        return full
 
     @property
     def _short_halflife(self) -> float:
@@ -1226,7 +1238,7 @@ class AdaptiveController:
         def profile(rate: str) -> Workload:
             wl = Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
                                        rate_steps=max(2, self._rate_window(step)), rate=rate,
-                                       long_halflife_steps=self._long_halflife,
+                                       long_halflife_steps=self._long_halflife_at(step),
                                        short_halflife_steps=self._short_halflife, until_step=step,
                                        measured_update=self._update_timing)
             return wl if self._io_cpu is None else wl.with_io_cpu(*self._io_cpu)

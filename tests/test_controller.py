@@ -751,7 +751,8 @@ def test_a_shift_of_the_accesses_restarts_the_steps_the_rates_are_read_from():
     c._rates_from_step = 26
     assert c._rate_window(37) == 11 and c._rate_window(90) == 64
     assert c._rate_window(20) == 64  # an older plan's rates: their own window
-    assert c._rate_steps(37) == pytest.approx(ewma_effective_steps(16.0, 11)) and c._rate_steps(37) <= 11
+    # (the long EWMA's halflife is a quarter of the 11 steps since: _long_halflife_at)
+    assert c._rate_steps(37) == pytest.approx(ewma_effective_steps(11 / 4, 11)) and c._rate_steps(37) <= 11
 
 
 def test_a_drift_of_the_step_alone_is_planned_like_a_scheduled_plan(tmp_path):
@@ -1031,6 +1032,27 @@ def test_after_a_shift_the_first_plan_to_land_is_a_probe_gated_without_the_model
     c.verified.append({"step": 36, "predicted_s": 0.2, "measured_s": 0.25, "before_s": 0.24, "model_gain_s": 0.04,
                        "kept": False})
     assert not c._probe_due(shifted=False, realised=None)  # the probe landed and was measured (here reverted)
+
+
+def test_after_a_shift_the_long_ewma_does_not_lean_on_the_first_step_since():
+    """The long EWMA's halflife is rate_halflife_periods re-plan periods, except while the steps
+    since a shift of the accesses are fewer than the rate window: then a quarter of them (at
+    least the short halflife), so that the window's first step - where the EWMA starts - does not
+    carry most of the weight (65% of 12 steps at 16). The noise model counts the same halflife."""
+    from planner.controller import AdaptiveController, ControllerSettings
+    from planner.hotness import ewma_effective_steps, ewma_weights
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(replan_every=8, rate_halflife_periods=2,
+                                                                          rate_window_periods=8))
+    assert c._long_halflife_at(37) == 16.0  # no shift: two periods
+    c._rates_from_step = 25
+    assert c._long_halflife_at(37) == pytest.approx(3.0)  # 12 steps since: a quarter of them
+    assert c._long_halflife_at(27) == pytest.approx(2.0)  # at least the short halflife (8 / 4)
+    assert c._long_halflife_at(25 + 80) == 16.0  # a whole rate window since: two periods again
+    assert c._long_halflife_at(20) == 16.0  # a plan before the shift
+    assert ewma_weights(16.0, 12)[0] > 0.6 and ewma_weights(c._long_halflife_at(37), 12)[0] < 0.1
+    c._step_now = 37
+    assert c._rate_steps(37) == pytest.approx(ewma_effective_steps(3.0, c._rate_series_steps(37)))
 
 
 def test_trials_are_made_only_in_the_exploring_periods_whose_re_plans_are_solved_on_schedule(tmp_path):
