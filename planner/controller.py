@@ -749,7 +749,7 @@ class AdaptiveController:
         are fewer than the rate window (:meth:`_rate_window`), at most a quarter of them (at least
         the short halflife). The EWMA starts at the window's first step, which therefore weighs
         as much as all the steps before it would have: 65% of the 12 steps since a routing change
-        at a 16-step halflife, 6% at a quarter of them. The plans after a reaction were made for
+        at a 16-step halflife, 8% at a quarter of them. The plans after a reaction were made for
         that one step's routing: in every VM drift run of session 29 they were predicted at 71-97
         ms and measured 163-221 ms, and were reverted."""
         s = self.settings
@@ -824,8 +824,9 @@ class AdaptiveController:
         accesses is what only a landed plan measures, and holding plans to its error on the
         placement in force kept every one out. On the 2-core VM's MoE at 20%, after a routing
         change whose reaction promised 3%, plans promising up to 18% were refused against a 25-32%
-        calibration error for the rest of the run (6 periods), at 1.23x the reference run's step. Its outcome then
-        gates the next plans; a probe that measures slower is reverted like any plan."""
+        calibration error for the rest of the run (6 periods), at 1.23x the reference run's step.
+        Its outcome then gates the next plans; a probe that measures slower is reverted like any
+        plan."""
         return (self._rates_from_step > 0 and not shifted and realised is None
                 and not self._verified_like(None))
 
