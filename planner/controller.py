@@ -750,8 +750,8 @@ class AdaptiveController:
         the short halflife). The EWMA starts at the window's first step, which therefore weighs
         as much as all the steps before it would have: 65% of the 12 steps since a routing change
         at a 16-step halflife, 8% at a quarter of them. The plans after a reaction were made for
-        that one step's routing: in every VM drift run of session 29 they were predicted at 71-97
-        ms and measured 163-221 ms, and were reverted."""
+        that one step's routing: in three of session 29's four VM drift runs before this bound
+        (and in session 28's) one was predicted at 66-97 ms, measured 163-221 ms, and reverted."""
         s = self.settings
         full = float(s.rate_halflife_periods * s.replan_every)
         since = step - self._rates_from_step
