@@ -655,8 +655,7 @@ class Engine:
         for nxt in self._backward_queue[here + 1:]:
             if nxt.group_reads is not None or nxt.shard.index in self._backward_updated:
                 continue  # read already (its module's own hook, or out of order), or updated
-            names = 1 + (len(self.optimizer.state_names) if nxt.has_moments else 0)
-            if names * nxt.shard.numel * 4 <= self.overlap.read_ahead_bytes:
+            if len(self._group_names(nxt, with_grad=False)) * nxt.shard.numel * 4 <= self.overlap.read_ahead_bytes:
                 nxt.group_reads = self._read_group_async(nxt, with_grad=False)
                 self._read_ahead_st = nxt
                 self.backward_reads_ahead += 1
@@ -999,10 +998,7 @@ class Engine:
                 self._grad_complete(st)
             st.arrived_now.clear()
         for st in self._backward_queue:  # groups read for a module whose backward never came
-            if st.group_reads is not None:
-                for future in st.group_reads.values():
-                    self._discard_read(future)
-                st.group_reads = None
+            self._discard_group_reads(st)
         self._backward_queue, self._backward_pos, self._read_ahead_st = [], {}, None
         self._free_kept()
         self._prefetcher.end_recording()
@@ -1041,16 +1037,28 @@ class Engine:
         future = store.write_async(key, t)
         self._writes.track(future, nbytes, on_done=(lambda: self._buffers.put(buffer)) if buffer is not None else None)
 
+    def _group_names(self, st: ShardState, with_grad: bool = True) -> list[str]:
+        """The files of an NVMe shard's optimizer group a read takes: the master, the moments
+        (once they exist) and the gradient (when it waits on NVMe and ``with_grad``)."""
+        names = ["master", *(self.optimizer.state_names if st.has_moments else ())]
+        if st.grad is None and with_grad:
+            names.append("grad")
+        return names
+
+    def _discard_group_reads(self, st: ShardState) -> None:
+        """Give back the optimizer group read for ``st`` that no update will use (if any)."""
+        if st.group_reads is not None:
+            for future in st.group_reads.values():
+                self._discard_read(future)
+            st.group_reads = None
+
     def _read_group_async(self, st: ShardState, with_grad: bool = True) -> dict[str, Future]:
         """Start reading an NVMe shard's optimizer group into pooled buffers: the master, the
         moments (once they exist) and the gradient (when it waits on NVMe and ``with_grad``)."""
         n = st.shard.numel
         store = self._stores["optim"]
-        names = ["master", *(self.optimizer.state_names if st.has_moments else ())]
-        if st.grad is None and with_grad:
-            names.append("grad")
         group: dict[str, Future] = {}
-        for name in names:
+        for name in self._group_names(st, with_grad):
             buffer = self._buffers.get(n * 4)
             future = store.read_async(st.key(name), buffer[: n * 4].view(torch.float32))
             future.zinf_buffer = buffer
@@ -1692,10 +1700,7 @@ class Engine:
     def _switch(self, st: ShardState, new: ShardPlacement, copies: dict[str, Tensor]) -> None:
         """Point the catalog (and the model's parameters) at the new homes. Nothing here fails
         halfway: only references change."""
-        if st.group_reads is not None:  # a read ahead of the old home nobody will use
-            for future in st.group_reads.values():
-                self._discard_read(future)
-            st.group_reads = None
+        self._discard_group_reads(st)  # a read ahead of the old home nobody will use
         old = st.place
         st.place = new
         if new.optim == "nvme":
