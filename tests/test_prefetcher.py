@@ -56,3 +56,35 @@ def test_cancel_forgets_claims():
     pf.cancel()
     pf.begin_pass()
     assert started.count(0) == 2, "after a cancel (new pass) a claimed shard is read again"
+
+
+def test_backward_follows_this_passs_forward_in_reverse_not_the_recorded_trace():
+    """A routed pass: the recorded trace is forward 0 1 2, backward 2 1 0; this pass's forward
+    runs 0 3 2 (expert 1 not routed to, expert 3 instead). Backward then needs 2 3 0."""
+    started: list[int] = []
+    discarded: list[Future] = []
+
+    def start(shard: int) -> Future:
+        started.append(shard)
+        f = Future()
+        f.set_result(shard)
+        return f
+
+    pf = Prefetcher(start, lambda shard: 10, discarded.append, window_bytes=20)
+    for shard in (0, 1, 2, 2, 1, 0):
+        pf.take(shard)
+    pf.end_recording()
+    pf.begin_pass()
+    for shard in (0, 3, 2):
+        pf.take(shard)
+    assert pf.stats.misses == 1  # 3 was not foreseen
+    pf.begin_backward()
+    assert pf.trace == [2, 3, 0], "each shard once, at its last forward use, in reverse"
+    assert set(pf.in_flight) <= {2, 3, 0}, "reads in flight for shards this backward needs not are dropped"
+    misses = pf.stats.misses
+    for shard in (2, 3, 0):
+        assert pf.take(shard) is not None or shard in pf.kept
+    assert pf.stats.misses == misses, "no backward fetch is a miss"
+    assert 1 not in started[started.index(3):], "the un-routed expert is not read for backward"
+    pf.begin_pass()
+    assert pf.trace == [0, 1, 2, 2, 1, 0], "the next pass starts from the recorded trace again"

@@ -178,6 +178,11 @@ class Engine:
         # them (reversed): which modules ran is this pass's, so a routed model's experts are
         # read for the experts it routed to (an earlier step's trace would guess).
         self._forward_order: dict[int, ShardState] = {}  # shard index -> state, first call first
+        self._recomputes = False  # a pass recomputed activations in backward (checkpointing)
+        # Shards acquired by a recomputed forward and not released yet: torch's checkpoint stops
+        # a recomputation once it has the tensors it needs (early stop), so the post-forward hook
+        # of the module it stopped in never runs; the end of backward releases them.
+        self._recompute_held: list[ShardState] = []
         self._backward_queue: list[ShardState] = []  # this backward's NVMe groups, in their order
         self._backward_pos: dict[int, int] = {}  # shard index -> position in _backward_queue
         self._backward_updated: set[int] = set()  # shard indices updated during this backward
@@ -599,16 +604,22 @@ class Engine:
     def _make_pre_forward(self, states: list[ShardState]):
         def hook(module, args):
             phase = "recompute" if self._in_backward else "forward"
+            if phase == "recompute":
+                self._recomputes = True  # backward fetches for recomputed forwards too
             for st in states:
                 if phase == "forward":
                     self._forward_order.setdefault(st.shard.index, st)
                 self._acquire(st, phase)
+                if phase == "recompute":
+                    self._recompute_held.append(st)
 
         return hook
 
     def _make_post_forward(self, states: list[ShardState]):
         def hook(module, args, output):
             for st in states:
+                if self._in_backward and st in self._recompute_held:
+                    self._recompute_held.remove(st)
                 self._release(st)
 
         return hook
@@ -706,7 +717,11 @@ class Engine:
         with record_function(f"zinf.fetch.{st.place.param}"):
             if st.place.param == "nvme":
                 entry = self._prefetcher.take(shard.index)
-                future = entry.future if entry is not None else self._start_param_read(shard.index)
+                if entry is None:  # a miss: the read goes before anything queued not waited for
+                    future = self._start_param_read(shard.index, urgent=True)
+                else:
+                    future = entry.future
+                    self._stores["param"].hurry(future)  # queued behind others still: not now
                 t_wait = time.perf_counter()
                 try:
                     src = future.result()  # waits only for what the prefetch did not bring in time
@@ -800,15 +815,16 @@ class Engine:
     def _param_read_bytes(self, index: int) -> int:
         return self._nbytes(self.states[index])[0]
 
-    def _start_param_read(self, index: int) -> Future:
-        """Start reading shard ``index``'s param file into a pooled aligned buffer. The future
-        resolves to the flat tensor (compute dtype); ``future.zinf_buffer`` is the raw buffer,
-        which whoever consumes the future gives back to the pool."""
+    def _start_param_read(self, index: int, urgent: bool = False) -> Future:
+        """Start reading shard ``index``'s param file into a pooled aligned buffer (``urgent``:
+        the training thread waits for it now). The future resolves to the flat tensor (compute
+        dtype); ``future.zinf_buffer`` is the raw buffer, which whoever consumes the future
+        gives back to the pool."""
         st = self.states[index]
         nbytes = self._nbytes(st)[0]
         buffer = self._buffers.get(nbytes)
         out = buffer[:nbytes].view(self.dtype)
-        future = self._stores["param"].read_async(self._param_key(st), out)
+        future = self._stores["param"].read_async(self._param_key(st), out, urgent=urgent)
         future.zinf_buffer = buffer
         return future
 
@@ -989,9 +1005,9 @@ class Engine:
     def _finish_backward(self) -> None:
         if self._cuda is not None:
             self._land_grads(block=True)
-        for st in self._backward_held:
+        for st in self._backward_held + self._recompute_held:
             self._release(st)
-        self._backward_held = []
+        self._backward_held, self._recompute_held = [], []
         for st in self.states:
             # gradients that arrived and are not handled yet (chunks wait for the end of backward)
             if st.arrived_now:
@@ -1131,6 +1147,8 @@ class Engine:
             scaled = scaled.float() * self.loss_scaler.scale
         self._backward_held = []
         self._plan_backward_reads()
+        if not self._recomputes:
+            self._prefetcher.begin_backward()  # prefetch what this forward used, in reverse
         self._in_backward = True
         try:
             with record_function("zinf.backward"), warnings.catch_warnings():
@@ -1253,6 +1271,9 @@ class Engine:
         with record_function(f"zinf.optimizer.read.{st.place.optim}"):
             if on_nvme:
                 loaded = {}
+                store = self._stores["optim"]
+                for future in group.values():  # waited for now: before what is only read ahead
+                    store.hurry(future)
                 for name, future in group.items():
                     buffers[name] = future.zinf_buffer
                     loaded[name] = future.result()

@@ -20,6 +20,11 @@ materialised instead of freed and read again; kept shards share the window with 
 flight. That matters for chunks of small parameters, which many modules use one after another,
 and for the last layers, whose backward follows their forward at once.
 
+Backward needs what this pass's forward used, in reverse; under routing that is not what the
+recorded trace says (it holds the experts of the pass it was recorded in). So when backward starts
+(:meth:`Prefetcher.begin_backward`), the rest of the pass follows this pass's own forward fetches,
+reversed, instead of the recorded trace; the next pass returns to the recorded one.
+
 A pass never looks past its own end: the next pass may start after an optimizer step that
 rewrites the parameters, and a read issued before that write would return the old values. The
 engine starts the next pass (:meth:`Prefetcher.begin_pass`) when its data is final.
@@ -100,6 +105,8 @@ class Prefetcher:
         self.kept: dict[int, int] = {}  # shard -> bytes, kept materialised after its release
         self.kept_bytes = 0
         self.stats = PrefetchStats()
+        self._recorded: tuple[list[int], dict[int, list[int]], list[int]] | None = None  # the trace, kept
+        self._forward_uses: list[int] | None = []  # this pass's forward fetches; None once backward began
 
     @property
     def enabled(self) -> bool:
@@ -111,7 +118,13 @@ class Prefetcher:
         if not self.recording:
             return
         self.recording = False
-        for i, shard in enumerate(self.trace):
+        self._index_trace(self.trace)
+        self._recorded = (self.trace, self._positions, self._bytes_before)
+
+    def _index_trace(self, trace: list[int]) -> None:
+        """Make ``trace`` the one followed: each shard's positions and the bytes before each."""
+        self.trace, self._positions, self._bytes_before = trace, {}, [0]
+        for i, shard in enumerate(trace):
             self._positions.setdefault(shard, []).append(i)
             self._bytes_before.append(self._bytes_before[-1] + self.nbytes_of(shard))
 
@@ -129,7 +142,31 @@ class Prefetcher:
     def begin_pass(self) -> None:
         """A new pass (micro-batch) starts at the top of the trace; data is final from here."""
         self.cancel()
+        if self._recorded is not None and self.trace is not self._recorded[0]:
+            self.trace, self._positions, self._bytes_before = self._recorded  # back from a backward's own
+        self._forward_uses = []
         self.pos = 0
+        self._issue()
+
+    def begin_backward(self) -> None:
+        """Backward starts: follow this pass's forward fetches in reverse (each shard at its last
+        forward use) for the rest of the pass. Reads in flight for shards it does not name are
+        dropped; the others keep going, at their new place. A pass with activation recompute must
+        not call this: its backward also fetches for the recomputed forward."""
+        uses, self._forward_uses = self._forward_uses, None
+        if self.recording or not self.enabled or uses is None:
+            return
+        seen: set[int] = set()
+        tail = [s for s in reversed(uses) if not (s in seen or seen.add(s))]
+        self._index_trace(tail)
+        self.pos = 0
+        for shard in [s for s in self.in_flight if s not in self._positions]:
+            entry = self.in_flight.pop(shard)
+            self.in_flight_bytes -= entry.nbytes
+            self.discard(entry.future)
+            self.stats.dropped += 1
+        for shard, entry in self.in_flight.items():
+            entry.position = self._positions[shard][0]
         self._issue()
 
     def take(self, shard: int) -> InFlight | None:
@@ -138,6 +175,8 @@ class Prefetcher:
         if self.recording:
             self.trace.append(shard)
             return None
+        if self._forward_uses is not None:
+            self._forward_uses.append(shard)
         entry = self.in_flight.pop(shard, None)
         if entry is not None:
             self.in_flight_bytes -= entry.nbytes
@@ -187,6 +226,8 @@ class Prefetcher:
     def reuse(self, shard: int) -> None:
         """A kept shard is acquired again: it leaves the window; move along the trace."""
         self.kept_bytes -= self.kept.pop(shard)
+        if self._forward_uses is not None:
+            self._forward_uses.append(shard)
         self._locate(shard)
         self._drop_passed()
         self._issue()

@@ -27,7 +27,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -38,6 +38,7 @@ from zinf.storage.aligned import ALIGN, StagingPool, round_up
 from zinf.storage.fsinfo import filesystem_of, probe_o_direct
 from zinf.storage.inflight import for_path as _inflight_for
 from zinf.storage.io import ThreadPoolBackend
+from zinf.storage.requests import RequestThreads
 from zinf.threads import single_threaded_torch
 from zinf.storage.shardfile import (
     HEADER_BYTES,
@@ -58,11 +59,10 @@ SHARD_SUFFIX = ".shard"
 Listener = Callable[[str, str, int, float, float], None]
 
 
-def _request_threads(thread_count: int) -> ThreadPoolExecutor:
-    """The threads that run asynchronous requests; their staging copies stay on the thread
-    (no OpenMP team of their own: see zinf.threads)."""
-    return ThreadPoolExecutor(max_workers=max(2, thread_count), thread_name_prefix="zinf-nvme",
-                              initializer=single_threaded_torch)
+def _request_threads(thread_count: int) -> RequestThreads:
+    """The threads that run asynchronous requests, urgent ones first; their staging copies stay
+    on the thread (no OpenMP team of their own: see zinf.threads)."""
+    return RequestThreads(max(2, thread_count), name="zinf-nvme", initializer=single_threaded_torch)
 
 
 def _gib(n_bytes: int) -> str:
@@ -488,11 +488,29 @@ class NvmeStore:
         self._account("read", key, result.numel() * result.element_size(), ticket)
         return result
 
-    def read_async(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]:
+    def read_async(self, key: str, out: torch.Tensor | None = None, *, urgent: bool = False) -> Future[torch.Tensor]:
         """:meth:`read` on a background thread; ``out`` must not be used until the future is
-        done. A read of a key whose asynchronous write is still in flight waits for it."""
+        done. A read of a key whose asynchronous write is still in flight waits for it.
+
+        ``urgent``: someone waits for it now; it starts before every request not urgent that has
+        not started (see zinf.storage.requests). Not while a write of the key is in flight:
+        the read must follow it, and a thread blocked on a queued write serves nothing."""
         self._check_open()
-        return self._requests.submit(self.read, key, out)
+        future = self._requests.submit(self.read, key, out, urgent=urgent and not self._write_pending(key))
+        future.zinf_key = key
+        return future
+
+    def hurry(self, future: Future) -> bool:
+        """Someone waits for this :meth:`read_async` now: start it before the requests not
+        urgent still queued. False when it started already (or follows a write in flight)."""
+        key = getattr(future, "zinf_key", None)
+        if key is None or future.done() or self._write_pending(key):
+            return False
+        return self._requests.promote(future)
+
+    def _write_pending(self, key: str) -> bool:
+        with self._pending_lock:
+            return key in self._pending
 
     def write_async(self, key: str, tensor: torch.Tensor) -> Future[int]:
         """:meth:`write` on a background thread. The tensor is written from its own memory, so
