@@ -20,11 +20,13 @@ fetch takes its shard's read from the reads in flight (or reads it on the spot: 
 along the trace, drops reads the pass went past, and issues the next reads in trace order while
 ``reads in flight + kept params <= prefetch_bytes``; the next pass starts with an empty window. A
 released param whose next use is within ``reuse_distance_bytes`` of trace is *kept* when the
-window has room (and its next read is then skipped). Like ``zinf/prefetch.py`` today, the issuer
-does not skip a shard that is materialised and in use, so a shard's backward read can be issued
-while its forward runs and then be wasted when the shard is kept: ``Prediction.wasted_read_bytes``
-(set ``reissue_in_use=False`` to model a prefetcher that skips it). A window smaller than the
-largest NVMe param is 0, as the engine sizes it.
+window has room (and its next read is then skipped). Like ``zinf/prefetch.py``, the issuer skips
+a shard that is in use (its next read is issued after it is freed); ``reissue_in_use=True`` models
+the prefetcher before session 30, which issued it, so that a shard's backward read could be issued
+while its forward ran and then be wasted when the shard was kept (``Prediction.wasted_read_bytes``).
+Not modelled: the forward's use rates (``zinf/prefetch.py`` reads ahead only shards recent passes
+used in at least half of them; fractional uses here are read ahead like any). A window smaller than
+the largest NVMe param is 0, as the engine sizes it.
 
 **Disk.** Every NVMe read and write - prefetches, misses, optimizer groups, gradients, param
 rewrites - costs the cost model's ``latency + bytes x (1 / bandwidth + others x shared)`` per
@@ -206,7 +208,7 @@ class Simulator:
     """
 
     def __init__(self, workload: Workload, cost_model, *, prefetch_bytes: int | None = None,
-                 reuse_distance_bytes: int | None = None, disk_servers: int | None = None, reissue_in_use: bool = True,
+                 reuse_distance_bytes: int | None = None, disk_servers: int | None = None, reissue_in_use: bool = False,
                  write_window_bytes: int | None = None):
         wl = workload
         self.workload = wl
@@ -754,7 +756,7 @@ class Simulator:
 
 
 def simulate(workload: Workload, placement, cost_model, *, prefetch_bytes: int | None = None,
-             reuse_distance_bytes: int | None = None, disk_servers: int | None = None, reissue_in_use: bool = True,
+             reuse_distance_bytes: int | None = None, disk_servers: int | None = None, reissue_in_use: bool = False,
              write_window_bytes: int | None = None, per_shard: bool = False) -> Prediction:
     """Predict one steady-state step of ``workload`` under ``placement`` (see the module docstring).
 

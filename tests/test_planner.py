@@ -305,15 +305,17 @@ def test_where_the_engine_is_not_monotone_the_prediction_is_only_slightly_worse(
     DRAM move gets filled by params kept for reuse, which starve the prefetch; a group leaving NVMe
     moves its update from the backward worker onto the main thread, or shrinks the write window;
     the optimizer phase asks for the next NVMe group's read only when it reaches an NVMe group, so
-    a DRAM group in front delays the pipeline's start; and several disk servers have list-scheduling
-    anomalies. These are small; the greedy solver takes only moves it predicts to help."""
+    a DRAM group in front delays the pipeline's start; a shard's next read waits while the shard is
+    in use, so a move that changes which reads are in flight when it is freed shifts them; and
+    several disk servers have list-scheduling anomalies. These are small (at most 6.6% on these 40
+    workloads); the greedy solver takes only moves it predicts to help."""
     checked, slower, worst = moves_to_dram(range(40), lambda rng: dict(
         prefetch_bytes=int(rng.choice([0, 1 << 20, 8 << 20, 1 << 30])), reuse_distance_bytes=int(rng.choice([0, 1 << 30])),
         updates_during_backward=bool(rng.random() < 0.5), micro_batches=int(rng.choice([1, 2, 3, 5])),
         disk_servers=int(rng.choice([1, 4])), pipeline_read=bool(rng.random() < 0.7),
         cpu_contention=float(rng.choice([0.0, 1.0]))))
     print(f"\n{slower} of {checked} random moves to DRAM predicted slower, by at most {worst:.2%}")
-    assert checked > 2000 and slower < 0.1 * checked and worst < 0.05
+    assert checked > 2000 and slower < 0.1 * checked and worst < 0.07
 
 
 def test_the_prefetch_window_matters():
@@ -335,22 +337,23 @@ def test_the_prefetch_window_matters():
 
 
 def test_a_kept_params_reissued_backward_read_is_wasted():
-    """The prefetcher as zinf/prefetch.py runs it, on a trace it can hold whole (three one-param
-    shards on NVMe: forward s0 s1 s2, backward s2 s1 s0): the backward reads wait, deferred, while
-    the forward reads of the same shards are in flight; each is issued while its shard's forward
-    runs (the issuer does not skip a shard in use), then the param is kept for its backward use,
-    so the read is dropped unread - at the next entry, or at the end of the pass. Every pass does
-    the same. A prefetcher that skips the shard in use reads each param once."""
+    """On a trace the prefetcher can hold whole (three one-param shards on NVMe: forward s0 s1
+    s2, backward s2 s1 s0): the backward reads wait, deferred, while the forward reads of the same
+    shards are in flight. A prefetcher that issues a shard's next read while the shard is in use
+    (``reissue_in_use=True``, zinf/prefetch.py before session 30) then keeps the param for its
+    backward use, so the read is dropped unread - at the next entry, or at the end of the pass;
+    every pass does the same. zinf/prefetch.py now skips a shard in use (the default) and reads
+    each param once."""
     for k in (1, 2):  # micro-batches; every pass uses every shard
         rows = [{"numel": n, "fwd_accesses_per_step": k, "bwd_accesses_per_step": k} for n in (1 << 16, 1 << 17, 1 << 18)]
         wl = Workload.from_rows(rows, compute_fwd_s=0.01, update_s_per_elem=0.0, prefetch_bytes=1 << 30,
                                 reuse_distance_bytes=1 << 30, micro_batches=k, disk_servers=2)
         params = float(wl.shards["param_bytes"].sum())
         placement = {n: {"param": "nvme", "optim": "cpu"} for n in wl.names}
-        reissued = simulate(wl, placement, CM)
+        reissued = simulate(wl, placement, CM, reissue_in_use=True)
         assert reissued.wasted_read_bytes == pytest.approx(k * params)
         assert reissued.nvme_read_bytes == pytest.approx(2 * k * params)
-        skipped = simulate(wl, placement, CM, reissue_in_use=False)
+        skipped = simulate(wl, placement, CM)
         assert skipped.wasted_read_bytes == 0 and skipped.nvme_read_bytes == pytest.approx(k * params)
         assert skipped.step_s <= reissued.step_s
 

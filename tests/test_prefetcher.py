@@ -88,3 +88,81 @@ def test_backward_follows_this_passs_forward_in_reverse_not_the_recorded_trace()
     assert 1 not in started[started.index(3):], "the un-routed expert is not read for backward"
     pf.begin_pass()
     assert pf.trace == [0, 1, 2, 2, 1, 0], "the next pass starts from the recorded trace again"
+
+
+def test_the_forward_learns_which_shards_passes_use_and_reads_ahead_only_those_used_often():
+    """Recorded forward 0 1 2; later passes route to 3 instead of 1. After a few passes the forward
+    reads 3 ahead (placed after 0, where the passes fetched it) and no longer reads 1."""
+    started: list[int] = []
+
+    def start(shard: int) -> Future:
+        started.append(shard)
+        f = Future()
+        f.set_result(shard)
+        return f
+
+    pf = Prefetcher(start, lambda shard: 10, lambda f: None, window_bytes=100)
+    for shard in (0, 1, 2):
+        pf.take(shard)
+    pf.begin_backward()  # while recording: marks where the forward ends
+    for shard in (2, 1, 0):
+        pf.take(shard)
+    pf.end_recording()
+
+    def one_pass() -> tuple[list[int], int, int]:
+        started.clear()
+        misses, dropped = pf.stats.misses, pf.stats.dropped
+        pf.begin_pass()
+        for shard in (0, 3, 2):
+            pf.take(shard)
+        forward_reads = list(started)
+        pf.begin_backward()
+        for shard in (2, 3, 0):
+            pf.take(shard)
+        return forward_reads, pf.stats.misses - misses, pf.stats.dropped - dropped
+
+    reads, misses, _ = one_pass()
+    assert 1 in reads and misses == 1, "first: the recorded forward, and 3 is a miss"
+    assert pf.trace[:4] != [0, 1, 2, 2] and pf._recorded[0][:4] == [0, 3, 1, 2], "3 joins the forward after 0"
+    for _ in range(5):
+        reads, misses, dropped = one_pass()
+    assert 3 in reads and 1 not in reads, (reads, pf.use_rate)
+    assert misses == 0 and dropped == 0
+    assert pf.use_rate[1] < 0.5 <= pf.use_rate[3]
+
+
+def test_a_dense_forward_reads_ahead_as_recorded():
+    pf, started, _ = _prefetcher(window=30)
+    pf.begin_pass()
+    assert started == [0, 1, 2]
+
+
+def test_a_shard_in_use_is_not_read_again_for_its_next_use_until_it_is_freed():
+    """Forward 0 1 2, backward 2 1 0, a window for the whole pass: without the check every
+    shard's backward read went out while its forward ran, and was dropped once the param was kept
+    for that backward. Now a shard's next read waits until it is freed."""
+    started: list[int] = []
+    in_use: set[int] = set()
+
+    def start(shard: int) -> Future:
+        started.append(shard)
+        f = Future()
+        f.set_result(shard)
+        return f
+
+    pf = Prefetcher(start, lambda shard: 10, lambda f: None, window_bytes=1000, busy=in_use.__contains__)
+    for shard in (0, 1, 2, 2, 1, 0):
+        pf.take(shard)
+    pf.end_recording()
+    pf.begin_pass()
+    assert started == [0, 1, 2], "each shard once: a read for its backward use would find it in flight"
+    pf.take(0)
+    in_use.add(0)
+    assert started == [0, 1, 2], "0 is being fetched and then in use: its backward read waits"
+    pf.take(1)
+    in_use.add(1)
+    assert 0 not in started[3:]
+    in_use.discard(0)  # released and freed (not kept)
+    pf.take(2)
+    assert started.count(0) == 2, "once freed, its backward read goes out at the next fetch"
+    assert 1 not in started[3:] and 2 not in started[3:]

@@ -46,7 +46,7 @@ import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -71,7 +71,7 @@ from zinf.placement import (
     fmt_bytes,
     static_placement,
 )
-from zinf.prefetch import Prefetcher
+from zinf.prefetch import Prefetcher, PrefetchStats
 from zinf.shards import Member, Shard, build_shards
 from zinf.sizing import DramSizing, Overlap, ShardSizes
 from zinf.storage.aligned import BufferPool, aligned_empty
@@ -460,7 +460,8 @@ class Engine:
         prefetcher = Prefetcher(self._start_param_read, self._param_read_bytes, self._discard_read,
                                 window_bytes=self.overlap.prefetch_bytes,
                                 reuse_distance_bytes=self.config.zero_optimization.stage3_max_reuse_distance * elem_bytes,
-                                needs_read=lambda index: self.states[index].place.param == "nvme")
+                                needs_read=lambda index: self.states[index].place.param == "nvme",
+                                busy=lambda index: self.states[index].param_state is not ParamState.FREED)
         if stats is not None:
             prefetcher.stats = stats
         return prefetcher
@@ -780,8 +781,8 @@ class Engine:
         room = self._upload_ahead_bytes() - sum(self._nbytes(st)[0] for st in self._prefetched)
         for j in range(pf.pos, len(pf.trace)):
             st = self.states[pf.trace[j]]
-            if st.param_state is not ParamState.FREED:
-                continue  # in use, kept, or already uploaded
+            if st.param_state is not ParamState.FREED or not pf.likely(st.shard.index):
+                continue  # in use, kept, already uploaded, or seldom used by recent passes
             nbytes = self._nbytes(st)[0]
             if nbytes > room:
                 return
@@ -1799,6 +1800,12 @@ class Engine:
         return report.seconds
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def prefetch_stats(self) -> PrefetchStats:
+        """A copy of the prefetcher's counters since initialize (reads issued ahead, hits,
+        misses, dropped, kept)."""
+        return replace(self._prefetcher.stats)
+
     @property
     def placement(self) -> dict[str, dict[str, str]]:
         """{shard name: {"param": tier, "optim": tier}}."""

@@ -14,11 +14,24 @@ safe by construction:
   which goes back to the pool, and its bytes leave the window, so the window never overflows;
 * nothing ever waits for a read that was not asked for, so nothing can deadlock.
 
+A shard in use (being fetched, materialised for a module, uploaded ahead) gets no read for its
+next use until it is freed: it may well be kept for that use, and the read would be dropped unread.
+
 A shard released while the trace says it is needed again soon (within
 ``stage3_max_reuse_distance`` elements of other fetches, DeepSpeed's knob of that name) is kept
 materialised instead of freed and read again; kept shards share the window with the reads in
 flight. That matters for chunks of small parameters, which many modules use one after another,
 and for the last layers, whose backward follows their forward at once.
+
+Routing also makes the forward half of one recorded pass a poor guess: it names the experts that
+pass routed to. So the forward half grows into the union of the passes' forwards (a shard first
+fetched in a later pass is placed after the fetch before it in that pass), and each of its shards
+carries the rate at which passes used it (an EWMA over passes, halflife ``USE_HALFLIFE_PASSES``);
+the prefetch along the recorded trace (both its halves: a backward fetches what its forward did)
+reads ahead only shards used in at least ``MIN_USE_RATE`` of recent passes. Below that,
+a read ahead is more often dropped unread than used, and its disk time delays the reads that are
+used; such a shard is read when needed (a miss). A dense model uses every shard every pass: its use
+rates stay 1 and nothing is skipped.
 
 Backward needs what this pass's forward used, in reverse; under routing that is not what the
 recorded trace says (it holds the experts of the pass it was recorded in). So when backward starts
@@ -37,6 +50,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+
+USE_HALFLIFE_PASSES = 4
+"""Passes over which a forward shard's use rate halves its memory of older passes."""
+MIN_USE_RATE = 0.5
+"""A forward shard is prefetched when recent passes used it at least this often."""
 
 
 @dataclass
@@ -85,6 +104,7 @@ class Prefetcher:
         window_bytes: int,
         reuse_distance_bytes: int = 0,
         needs_read: Callable[[int], bool] | None = None,
+        busy: Callable[[int], bool] | None = None,
     ) -> None:
         self.start_read = start_read
         self.nbytes_of = nbytes_of
@@ -94,6 +114,10 @@ class Prefetcher:
         # Whether a shard of the trace is read at all (with CUDA the trace also holds shards homed
         # in DRAM, uploaded along it but never read from disk); None: every shard is.
         self.needs_read = needs_read
+        # Whether a shard's param is materialised now (in use, held for the pass, uploaded
+        # ahead): a read for its next use would only be dropped if it is then kept, so it is
+        # issued once the shard is freed, at a later fetch; None: never.
+        self.busy = busy
         self._claimed: set[int] = set()  # reads handed over by claim() before their shard's take
         self.recording = True
         self.trace: list[int] = []
@@ -107,6 +131,8 @@ class Prefetcher:
         self.stats = PrefetchStats()
         self._recorded: tuple[list[int], dict[int, list[int]], list[int]] | None = None  # the trace, kept
         self._forward_uses: list[int] | None = []  # this pass's forward fetches; None once backward began
+        self._forward_len: int | None = None  # entries of the recorded trace that are forward fetches
+        self.use_rate: dict[int, float] = {}  # forward shard -> EWMA over passes of "this pass used it"
 
     @property
     def enabled(self) -> bool:
@@ -119,6 +145,32 @@ class Prefetcher:
             return
         self.recording = False
         self._index_trace(self.trace)
+        self._recorded = (self.trace, self._positions, self._bytes_before)
+        if self._forward_len is not None:
+            self.use_rate = {shard: 1.0 for shard in self.trace[: self._forward_len]}
+
+    def _learn_forward(self, uses: list[int]) -> None:
+        """After a pass's forward (``uses``: its fetches in order): update each forward shard's
+        use rate, and add the shards it fetched first to the recorded forward, each after the
+        fetch before it in this pass."""
+        if self._forward_len is None or self._recorded is None:
+            return
+        a = 1 - 0.5 ** (1 / USE_HALFLIFE_PASSES)
+        used = set(uses)
+        for shard, rate in self.use_rate.items():
+            self.use_rate[shard] = rate + a * ((shard in used) - rate)
+        new = [s for s in dict.fromkeys(uses) if s not in self.use_rate]
+        if not new:
+            return
+        recorded = self._recorded[0]
+        forward, backward = recorded[: self._forward_len], recorded[self._forward_len:]
+        for shard in new:
+            k = uses.index(shard)
+            before = next((u for u in reversed(uses[:k]) if u in self.use_rate), None)
+            forward.insert(forward.index(before) + 1 if before is not None else 0, shard)
+            self.use_rate[shard] = a  # used once, in this pass
+        self._forward_len = len(forward)
+        self._index_trace(forward + backward)
         self._recorded = (self.trace, self._positions, self._bytes_before)
 
     def _index_trace(self, trace: list[int]) -> None:
@@ -154,8 +206,12 @@ class Prefetcher:
         dropped; the others keep going, at their new place. A pass with activation recompute must
         not call this: its backward also fetches for the recomputed forward."""
         uses, self._forward_uses = self._forward_uses, None
-        if self.recording or not self.enabled or uses is None:
+        if self.recording:
+            self._forward_len = len(self.trace)
             return
+        if not self.enabled or uses is None:
+            return
+        self._learn_forward(uses)
         seen: set[int] = set()
         tail = [s for s in reversed(uses) if not (s in seen or seen.add(s))]
         self._index_trace(tail)
@@ -188,7 +244,7 @@ class Prefetcher:
             self.stats.misses += 1
         self._locate(shard)
         self._drop_passed()
-        self._issue()
+        self._issue(taking=shard)
         return entry
 
     def claim(self, shard: int) -> InFlight | None:
@@ -240,6 +296,13 @@ class Prefetcher:
         self.kept_bytes = 0
         return shards
 
+    def likely(self, shard: int) -> bool:
+        """Whether to fetch ``shard`` ahead of need along the trace followed now: always in a
+        backward's own trace; along the recorded one (both halves: a backward fetches what its
+        forward did), when recent forwards used it at least ``MIN_USE_RATE`` of the time."""
+        recorded = self._recorded is not None and self.trace is self._recorded[0]
+        return not recorded or self.use_rate.get(shard, 1.0) >= MIN_USE_RATE
+
     def _window_used(self) -> int:
         return self.in_flight_bytes + self.kept_bytes
 
@@ -263,13 +326,17 @@ class Prefetcher:
             self.discard(entry.future)
             self.stats.dropped += 1
 
-    def _issue(self) -> None:
+    def _issue(self, taking: int | None = None) -> None:
+        """Start the reads along the trace that fit the window. ``taking``: the shard being
+        fetched now, about to be in use (a read for its next use waits until it is freed)."""
         if self.recording or not self.enabled:
             return
         ahead_bytes = 0  # bytes of the trace ahead of pos covered so far, in flight or not
         for j in range(self.pos, len(self.trace)):
             shard = self.trace[j]
             if self.needs_read is not None and not self.needs_read(shard):
+                continue
+            if not self.likely(shard) or shard == taking or (self.busy is not None and self.busy(shard)):
                 continue
             nbytes = self.nbytes_of(shard)
             if shard in self.in_flight or shard in self.kept or shard in self._claimed:
