@@ -101,6 +101,9 @@ from zinf.storage.fsinfo import filesystem_of  # noqa: E402
 
 STATE_BYTES_PER_PARAM = 4 + 4 + 4 + 4 + 4  # fp32 param, grad, master, exp_avg, exp_avg_sq
 DEVICE = "cpu"  # zinf.device of every run (--device): the CPU computes, also on a GPU machine
+AIO = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
+"""The NVMe settings of every policy (--aio-threads, --aio-queue-depth): the same for all, so
+that only the placement differs. 2 threads suit the 2-core VM the benchmark was sized on."""
 POLICIES = ("nvme", "max_in_cpu", "adaptive")
 STATIC_POLICIES = ("nvme", "max_in_cpu")
 MOE_HEADLINE_BUDGET = 0.3
@@ -173,7 +176,7 @@ def base_config(w: Workload, swap: Path, budget_bytes: int) -> dict:
             "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)},
             "stage3_prefetch_bucket_size": w.n_params // 4,
         },
-        "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2},
+        "aio": dict(AIO),
         "zinf": {"dram_budget": budget_bytes, "device": DEVICE, **w.zinf_extra},
     }
 
@@ -779,6 +782,11 @@ def main() -> None:
     ap.add_argument("--log-plans", action="store_true", help="print the adaptive planner's log (every plan and why)")
     ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                     help="zinf.device of every run (default cpu: the workloads are sized for CPU compute)")
+    ap.add_argument("--aio-threads", type=int, default=AIO["thread_count"],
+                    help="aio.thread_count of every policy (default 2, sized for the 2-core VM)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the whole run (seconds; Python's default 0.005)")
+    ap.add_argument("--aio-queue-depth", type=int, default=AIO["queue_depth"], help="aio.queue_depth of every policy")
     args = ap.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -793,6 +801,11 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     global DEVICE
     DEVICE = args.device
+    if args.aio_threads < 1 or args.aio_queue_depth < 1:
+        raise SystemExit("--aio-threads and --aio-queue-depth must be >= 1")
+    AIO.update(thread_count=args.aio_threads, queue_depth=args.aio_queue_depth)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.log_plans:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("    %(message)s"))
@@ -807,7 +820,9 @@ def main() -> None:
           + f", {fs.fstype} at {args.path}; "
           f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} measured steps) per (budget, policy), "
           + (f"the policies side by side in blocks of {args.block} steps; " if args.block else "one run after another; ")
-          + f"adaptive plans {plan_lag_text(args.plan_lag)}; "
+          + f"adaptive plans {plan_lag_text(args.plan_lag)}; every policy's NVMe I/O: {AIO['thread_count']} threads, "
+          f"queue depth {AIO['queue_depth']}, {AIO['block_size'] >> 10} KiB blocks; "
+          f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms; "
           f"load average {load_average()} (other work on the machine skews every number)")
     swap = args.path / f"planner-policies-{os.getpid()}"
     results: dict[str, dict[float, dict[str, Cell]]] = {}

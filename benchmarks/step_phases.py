@@ -36,13 +36,27 @@ def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int,
     d = swap / policy
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
-    cfg = pp.policy_config(w, policy, d, budget, max_in_cpu=n_max, replan_every=args.replan_every)
+    if policy == "dram":  # the floor: every home in DRAM, no budget, no NVMe traffic
+        cfg = pp.policy_config(w, "nvme", d, None, replan_every=args.replan_every)
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        del cfg["zinf"]["dram_budget"]
+    else:
+        cfg = pp.policy_config(w, policy, d, budget, max_in_cpu=n_max, replan_every=args.replan_every)
     cfg["zinf"]["profiler"] = {"enabled": True, "db": f"sqlite:///{d}/profile.db"}  # every policy records (like for like)
     engine = zinf.initialize(pp.copy.deepcopy(w.model), cfg)
     rows, nvme_b, predicted = [], [], []
+    pf_before = engine.prefetch_stats  # moved to the end of warm-up below
+    n_steps = args.warmup + args.steps
+    profiled = max(0, n_steps - args.torch_profile) if args.torch_profile else None
+    prof = None
     with engine:
         micro = 0
-        for step in range(args.warmup + args.steps):
+        for step in range(n_steps):
+            if step == profiled:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                              + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else []))
+                prof.__enter__()
             before = engine.traffic_total
             before_b = before.read["nvme"] + before.written["nvme"]
             prediction = getattr(getattr(engine, "controller", None), "predicted_step_s", None)
@@ -51,13 +65,22 @@ def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int,
                 micro += 1
                 engine.backward(engine(x, y))
                 engine.step()
+            if step == args.warmup - 1:
+                pf_before = engine.prefetch_stats
             if step >= args.warmup:
                 rows.append({k: engine.last_step[k] for k in PHASES})
                 after = engine.traffic_total
                 nvme_b.append(after.read["nvme"] + after.written["nvme"] - before_b)
                 if prediction is not None:
                     predicted.append(prediction)
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            print(f"--- torch.profiler, {policy}, the last {args.torch_profile} steps (ms over them; main thread and workers)")
+            table = prof.key_averages()
+            print(table.table(sort_by="cpu_time_total", row_limit=args.torch_profile_rows))
+            print(table.table(sort_by="self_cpu_time_total", row_limit=args.torch_profile_rows))
         ov = engine.overlap  # the buffers of the placement in force at the end
+        pf = engine.prefetch_stats
         homes = pp.dram_homes(engine)
     if args.keep_db:
         args.keep_db.mkdir(parents=True, exist_ok=True)
@@ -72,6 +95,8 @@ def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int,
     out["buffers"] = (f"prefetch {ov.prefetch_bytes >> 20} MiB, write {ov.write_bytes >> 20} MiB, "
                       f"read-ahead {ov.read_ahead_bytes >> 20} MiB, eager {'on' if ov.eager else 'off'}")
     out["homes"] = homes
+    out["prefetch"] = ", ".join(f"{k} {(getattr(pf, k) - getattr(pf_before, k)) / len(rows):.1f}"
+                                for k in ("issued", "hits", "misses", "dropped", "kept"))
     return out
 
 
@@ -80,11 +105,15 @@ def main() -> None:
     ap.add_argument("--path", type=Path, required=True, help="swap files go under it (removed at the end)")
     ap.add_argument("--workload", choices=("gpt", "moe"), default="gpt")
     ap.add_argument("--budget", type=float, default=0.2, help="DRAM budget as a fraction of the training state")
-    ap.add_argument("--policies", default="nvme,max_in_cpu,adaptive")
+    ap.add_argument("--policies", default="nvme,max_in_cpu,adaptive",
+                    help="comma-separated; 'dram' (every home in DRAM, no budget) gives the floor")
     ap.add_argument("--warmup", type=int, default=24, help="optimizer steps before measuring")
     ap.add_argument("--steps", type=int, default=16, help="measured optimizer steps per policy")
     ap.add_argument("--replan-every", type=int, default=8)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                    help="run torch.profiler over each policy's last N steps and print its table of ops")
+    ap.add_argument("--torch-profile-rows", type=int, default=40)
     ap.add_argument("--keep-db", type=Path, default=None, help="copy each run's profile database here")
     args = ap.parse_args()
     pp.DEVICE = args.device
@@ -102,6 +131,7 @@ def main() -> None:
         pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] is not None else "-"
         print(f"{policy:<11}" + "".join(f"{r[k]:12.3f}" for k in PHASES) + f"{r['nvme_MB']:9.1f}{pred:>11}", flush=True)
         print(f"{'':<11}buffers: {r['buffers']}; DRAM homes: {r['homes']}", flush=True)
+        print(f"{'':<11}param prefetch a step: {r['prefetch']}", flush=True)
 
 
 if __name__ == "__main__":
