@@ -56,7 +56,9 @@ def test_adaptive_run_plans_migrates_hot_experts_and_matches_pytorch(tmp_path):
     ref_losses, ref_params = train_plain(ref_model, data, 1, 0.0, steps)
 
     url = f"sqlite:///{tmp_path}/profile.db"
-    with zinf.initialize(model, adaptive_config(tmp_path, 8 * MiB)) as engine:
+    # no band for engine modes that never ran: under load the first plans' predicted gain (~1% of
+    # the step on this tiny model) fell below it and nothing was adopted (trials: tested below)
+    with zinf.initialize(model, adaptive_config(tmp_path, 8 * MiB, trial_band=0)) as engine:
         controller = engine.controller
         assert controller is not None and engine.recorder.enabled, "adaptive turns the profiler on itself"
         assert (controller.settings.replan_every, controller.policy.settings.margin) == (REPLAN, 0)
@@ -74,7 +76,7 @@ def test_adaptive_run_plans_migrates_hot_experts_and_matches_pytorch(tmp_path):
 
     # it planned every REPLAN steps after the first ones, adopted a plan, and the plan moved homes
     plans = queries.plans(url, run_id)
-    assert len(plans) >= 2 and plans["adopted"].any(), plans
+    assert len(plans) >= 2 and plans["adopted"].any(), plans[["plan_id", "predicted_gain_s", "adopted", "reason"]].to_string()
     assert plan_version == int(plans["adopted"].sum())
     migrations = queries.migrations(url, run_id)
     assert len(migrations) > 0 and set(migrations["dst_tier"]) <= {"cpu", "nvme"}

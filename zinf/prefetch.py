@@ -332,15 +332,20 @@ class Prefetcher:
         if self.recording or not self.enabled:
             return
         ahead_bytes = 0  # bytes of the trace ahead of pos covered so far, in flight or not
-        for j in range(self.pos, len(self.trace)):
-            shard = self.trace[j]
-            if self.needs_read is not None and not self.needs_read(shard):
+        # Runs at every fetch, along the trace ahead: the per-shard tests are kept cheap (locals,
+        # the trace's own byte counts), the engine's callbacks asked last.
+        trace, sizes, needs_read, busy = self.trace, self._bytes_before, self.needs_read, self.busy
+        in_flight, kept, claimed = self.in_flight, self.kept, self._claimed
+        rates = self.use_rate if self._recorded is not None and trace is self._recorded[0] else None
+        for j in range(self.pos, len(trace)):
+            shard = trace[j]
+            if shard == taking or (rates is not None and rates.get(shard, 1.0) < MIN_USE_RATE):
                 continue
-            if not self.likely(shard) or shard == taking or (self.busy is not None and self.busy(shard)):
-                continue
-            nbytes = self.nbytes_of(shard)
-            if shard in self.in_flight or shard in self.kept or shard in self._claimed:
+            nbytes = sizes[j + 1] - sizes[j]
+            if shard in in_flight or shard in kept or shard in claimed:
                 ahead_bytes += nbytes
+                continue
+            if (needs_read is not None and not needs_read(shard)) or (busy is not None and busy(shard)):
                 continue
             if self._window_used() + nbytes > self.window_bytes or ahead_bytes + nbytes > 2 * self.window_bytes:
                 return
