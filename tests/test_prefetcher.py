@@ -9,9 +9,9 @@ from concurrent.futures import Future
 from zinf.prefetch import Prefetcher
 
 
-def _prefetcher(window: int, needs_read=None):
+def _reader() -> tuple:
+    """A ``start_read`` that records the shards asked for and returns a landed read; and that record."""
     started: list[int] = []
-    discarded: list[Future] = []
 
     def start(shard: int) -> Future:
         started.append(shard)
@@ -19,6 +19,12 @@ def _prefetcher(window: int, needs_read=None):
         f.set_result(shard)
         return f
 
+    return start, started
+
+
+def _prefetcher(window: int, needs_read=None):
+    start, started = _reader()
+    discarded: list[Future] = []
     pf = Prefetcher(start, lambda shard: 10, discarded.append, window_bytes=window, needs_read=needs_read)
     for shard in range(6):  # the first pass records the trace
         pf.take(shard)
@@ -61,15 +67,8 @@ def test_cancel_forgets_claims():
 def test_backward_follows_this_passs_forward_in_reverse_not_the_recorded_trace():
     """A routed pass: the recorded trace is forward 0 1 2, backward 2 1 0; this pass's forward
     runs 0 3 2 (expert 1 not routed to, expert 3 instead). Backward then needs 2 3 0."""
-    started: list[int] = []
+    start, started = _reader()
     discarded: list[Future] = []
-
-    def start(shard: int) -> Future:
-        started.append(shard)
-        f = Future()
-        f.set_result(shard)
-        return f
-
     pf = Prefetcher(start, lambda shard: 10, discarded.append, window_bytes=20)
     for shard in (0, 1, 2, 2, 1, 0):
         pf.take(shard)
@@ -93,13 +92,7 @@ def test_backward_follows_this_passs_forward_in_reverse_not_the_recorded_trace()
 def test_the_forward_learns_which_shards_passes_use_and_reads_ahead_only_those_used_often():
     """Recorded forward 0 1 2; later passes route to 3 instead of 1. After a few passes the forward
     reads 3 ahead (placed after 0, where the passes fetched it) and no longer reads 1."""
-    started: list[int] = []
-
-    def start(shard: int) -> Future:
-        started.append(shard)
-        f = Future()
-        f.set_result(shard)
-        return f
+    start, started = _reader()
 
     pf = Prefetcher(start, lambda shard: 10, lambda f: None, window_bytes=100)
     for shard in (0, 1, 2):
@@ -141,14 +134,8 @@ def test_a_shard_in_use_is_not_read_again_for_its_next_use_until_it_is_freed():
     """Forward 0 1 2, backward 2 1 0, a window for the whole pass: without the check every
     shard's backward read went out while its forward ran, and was dropped once the param was kept
     for that backward. Now a shard's next read waits until it is freed."""
-    started: list[int] = []
+    start, started = _reader()
     in_use: set[int] = set()
-
-    def start(shard: int) -> Future:
-        started.append(shard)
-        f = Future()
-        f.set_result(shard)
-        return f
 
     pf = Prefetcher(start, lambda shard: 10, lambda f: None, window_bytes=1000, busy=in_use.__contains__)
     for shard in (0, 1, 2, 2, 1, 0):

@@ -217,10 +217,7 @@ class Prefetcher:
         self._index_trace(tail)
         self.pos = 0
         for shard in [s for s in self.in_flight if s not in self._positions]:
-            entry = self.in_flight.pop(shard)
-            self.in_flight_bytes -= entry.nbytes
-            self.discard(entry.future)
-            self.stats.dropped += 1
+            self._drop(shard)
         for shard, entry in self.in_flight.items():
             entry.position = self._positions[shard][0]
         self._issue()
@@ -300,8 +297,12 @@ class Prefetcher:
         """Whether to fetch ``shard`` ahead of need along the trace followed now: always in a
         backward's own trace; along the recorded one (both halves: a backward fetches what its
         forward did), when recent forwards used it at least ``MIN_USE_RATE`` of the time."""
-        recorded = self._recorded is not None and self.trace is self._recorded[0]
-        return not recorded or self.use_rate.get(shard, 1.0) >= MIN_USE_RATE
+        rates = self._learnt_rates()
+        return rates is None or rates.get(shard, 1.0) >= MIN_USE_RATE
+
+    def _learnt_rates(self) -> dict[int, float] | None:
+        """The use rates that apply to the trace followed now: None in a backward's own trace."""
+        return self.use_rate if self._recorded is not None and self.trace is self._recorded[0] else None
 
     def _window_used(self) -> int:
         return self.in_flight_bytes + self.kept_bytes
@@ -319,12 +320,15 @@ class Prefetcher:
         self._claimed.clear()
 
     def _drop_passed(self) -> None:
-        passed = [s for s, e in self.in_flight.items() if e.position < self.pos - 1]
-        for shard in passed:
-            entry = self.in_flight.pop(shard)
-            self.in_flight_bytes -= entry.nbytes
-            self.discard(entry.future)
-            self.stats.dropped += 1
+        for shard in [s for s, e in self.in_flight.items() if e.position < self.pos - 1]:
+            self._drop(shard)
+
+    def _drop(self, shard: int) -> None:
+        """Give up ``shard``'s read in flight: it leaves the window, its buffer goes back."""
+        entry = self.in_flight.pop(shard)
+        self.in_flight_bytes -= entry.nbytes
+        self.discard(entry.future)
+        self.stats.dropped += 1
 
     def _issue(self, taking: int | None = None) -> None:
         """Start the reads along the trace that fit the window. ``taking``: the shard being
@@ -336,7 +340,7 @@ class Prefetcher:
         # the trace's own byte counts), the engine's callbacks asked last.
         trace, sizes, needs_read, busy = self.trace, self._bytes_before, self.needs_read, self.busy
         in_flight, kept, claimed = self.in_flight, self.kept, self._claimed
-        rates = self.use_rate if self._recorded is not None and trace is self._recorded[0] else None
+        rates = self._learnt_rates()  # likely(), inline: this loop runs at every fetch
         for j in range(self.pos, len(trace)):
             shard = trace[j]
             if shard == taking or (rates is not None and rates.get(shard, 1.0) < MIN_USE_RATE):
