@@ -64,7 +64,7 @@ def build_profile(tmp_path_factory) -> Profile:
     url = train_profiled(work, GPT_STEPS, shards=SMALL_SHARDS)  # run 1: work/profile.db
     moe_dir = work / "moe"
     moe_dir.mkdir()
-    config = adaptive_config(moe_dir, 8 * MiB, trial_band=0)  # adopts a plan also under load (test_controller)
+    config = adaptive_config(moe_dir, 8 * MiB, prefetch=False, trial_band=0)  # adopts a plan also under load (test_controller)
     config["zinf"]["profiler"]["db"] = url  # run 2, in the same database
     model, _, data = skewed_moe()
     with zinf.initialize(model, config) as engine:

@@ -107,14 +107,16 @@ def train_zinf(model, data, gas, clip, config, steps=STEPS, collect=None):
         return (losses, *(collect or (lambda e: (e.state_dict(), e.placement)))(engine))
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", [*PLACEMENTS, "adaptive"])
 @pytest.mark.parametrize("case", list(MODELS))
 def test_matches_plain_pytorch(case, placement, tmp_path):
     make, gas, clip = MODELS[case]
     model, data = make()
     ref = copy.deepcopy(model)
     ref_losses, ref_params = train_plain(ref, data, gas, clip)
-    losses, params, place = train_zinf(model, data, gas, clip, placement_config(placement, tmp_path, model))
+    config = placement_config(placement, tmp_path, model)
+    losses, params, place, plans = train_zinf(model, data, gas, clip, config,
+                                              collect=lambda e: (e.state_dict(), e.placement, e.plan_version))
 
     assert len(losses) == len(ref_losses) == STEPS * gas
     worst_loss = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -127,6 +129,8 @@ def test_matches_plain_pytorch(case, placement, tmp_path):
     tiers = {t for p in place.values() for t in p.values()}
     if placement == "dram":
         assert tiers <= {"cpu", "none"}
+    elif placement == "adaptive":  # plans were adopted while training ran, and homes moved into DRAM
+        assert plans >= 1 and "cpu" in tiers and "nvme" in tiers, (plans, tiers)
     elif placement == "nvme":
         assert {p["param"] for p in place.values()} == {"nvme"}
     else:
