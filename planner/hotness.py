@@ -31,7 +31,9 @@ greedy solver's first guess; the simulator (:mod:`planner.simulator`) is the ful
   ``slack_s`` is the compute between the moment the prefetcher can issue the read and the moment
   it is needed: the prefetcher keeps ``prefetch_bytes`` of reads in flight along the trace, so the
   read of an entry is issued when the entry ``prefetch_bytes`` earlier in the NVMe trace is taken;
-  the slack is the compute of the accesses between the two (``0`` without a window). Keeping a
+  the slack is the compute of the accesses between the two (``0`` without a window, and for a
+  forward access of a shard used in fewer than ``MIN_USE_RATE`` of the passes: the prefetcher
+  reads those when needed, ``zinf/prefetch.py``). Keeping a
   released param for its backward use (``stage3_max_reuse_distance``) is not modelled here: every
   backward access of a one-parameter shard counts as a read. A param rewrite after an update
   (param on NVMe in its own file) costs only when writes are synchronous (no write window).
@@ -52,6 +54,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
+
+from zinf.prefetch import MIN_USE_RATE
 
 from planner.workload import Workload
 
@@ -272,15 +276,23 @@ def stall_cost(workload: Workload, cost_model, *, prefetch_bytes: int | None = N
     is_entry = in_trace[rec_shard] & ~(rec_is_bwd & chunk[rec_shard])
     entries = np.flatnonzero(is_entry)
     e_bytes = P[rec_shard[entries]] * reads_w[entries]
+    # As zinf/prefetch.py: the shards the forward uses in at least MIN_USE_RATE of the passes are
+    # read ahead along the trace; the others' forward entries are read when needed (no slack, no
+    # window), their backward ones issued once backward starts (the last forward entry taken)
+    often = np.minimum(wf[rec_shard[entries]], 1.0) >= MIN_USE_RATE
+    e_bwd = rec_is_bwd[entries]
     largest = float(P[in_trace].max()) if in_trace.any() else 0.0
     window = W if W >= largest else 0  # the engine turns prefetch off when the largest read would not fit
     slack = np.zeros(len(entries))
     if window > 0 and len(entries):
-        cb = np.concatenate([[0.0], np.cumsum(e_bytes)])  # bytes of the entries before each
+        cb = np.concatenate([[0.0], np.cumsum(e_bytes * (often | e_bwd))])  # window bytes of the entries before each
         # entry e is issued when entry m is taken, m the first with bytes(m+1 .. e) <= window
         m = np.searchsorted(cb, cb[1:] - window, side="left") - 1
         issue_at = np.where(m >= 0, compute_before[entries[np.maximum(m, 0)]], 0.0)
-        slack = np.maximum(0.0, compute_before[entries] - issue_at)
+        fwd_entries = entries[~e_bwd]
+        backward_starts = compute_before[fwd_entries[-1]] if len(fwd_entries) else 0.0
+        issue_at = np.where(e_bwd & ~often, np.maximum(issue_at, backward_starts), issue_at)
+        slack = np.where(often | e_bwd, np.maximum(0.0, compute_before[entries] - issue_at), 0.0)
     read_one = io.read_s(P)
     e_read = io.read_s(e_bytes, reads_w[entries]) if len(entries) else np.zeros(0)
     # (the fetch overhead holds the upload's launch on a GPU machine, as the simulator charges it)

@@ -24,16 +24,21 @@ window has room (and its next read is then skipped). Like ``zinf/prefetch.py``, 
 a shard that is in use (its next read is issued after it is freed); ``reissue_in_use=True`` models
 the prefetcher before session 30, which issued it, so that a shard's backward read could be issued
 while its forward ran and then be wasted when the shard was kept (``Prediction.wasted_read_bytes``).
-Not modelled: the forward's use rates (``zinf/prefetch.py`` reads ahead only shards recent passes
-used in at least half of them; fractional uses here are read ahead like any). A window smaller than
-the largest NVMe param is 0, as the engine sizes it.
+Like ``zinf/prefetch.py``, the prefetcher reads ahead along the trace only shards the forward
+uses in at least ``MIN_USE_RATE`` of the passes: a forward use of one used less often (an expert
+routed to in 30% of them) is a miss, and its backward read is issued only once backward starts
+(the engine then follows what this pass's forward used). A window smaller than the largest NVMe
+param is 0, as the engine sizes it.
 
 **Disk.** Every NVMe read and write - prefetches, misses, optimizer groups, gradients, param
 rewrites - costs the cost model's ``latency + bytes x (1 / bandwidth + others x shared)`` per
 request, where ``others`` is the number of the queue's requests still in flight when it starts
 (the disk's sharing, fitted from each sample's concurrency; :mod:`planner.costmodel`). Asynchronous requests
 (``read_async``/``write_async``: prefetches, misses, optimizer groups, writes behind) wait in one
-FIFO queue served by ``disk_servers`` servers; synchronous ones (``store.read``/``store.write`` on
+FIFO queue served by ``disk_servers`` servers, but for a miss (a param read the training thread
+waits for), which goes ahead of the requests not started yet and starts when a server finishes the
+one it runs, as the store's urgent reads do (the requests it overtakes keep the landings worked out
+for them; the queue's tail waits as long as the miss); synchronous ones (``store.read``/``store.write`` on
 the calling thread: a gradient read back between micro-batches, any write when there is no write
 window) start at once beside them, as in the store. The default is the engine's number of request
 threads (``max(2, aio.thread_count)``: the NVMe store runs that many requests at once). A
@@ -86,10 +91,13 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+
+from zinf.prefetch import MIN_USE_RATE
 
 from planner.hotness import _per_access_compute, io_costs
 from planner.workload import Workload, normalize_placement
@@ -160,6 +168,9 @@ class Prediction:
 # what the prefetcher does when the pass reaches a trace entry, besides taking a read in flight
 MISS, KEPT = -1, -2
 
+URGENT_LOOKBACK = 32
+"""How many of the disk queue's latest requests a miss looks through for those in flight."""
+
 
 class _Trace:
     """One placement as the runs of :meth:`Simulator.run` replay it (built once per run, mostly
@@ -180,6 +191,7 @@ class _Trace:
     e_read_s: list[float]
     issue_order: list[int]
     begin: int
+    at_backward: int
     issued: list[int]
     took: list[int]
     dropped: list[float]
@@ -255,6 +267,7 @@ class Simulator:
         # shard is used in some passes only)
         self.fwd_order, self.bwd_order = np.flatnonzero(wf > 0), np.flatnonzero(wb > 0)[::-1]
         self.f_w, self.b_w = np.minimum(wf, 1.0)[self.fwd_order], np.minimum(wb, 1.0)[self.bwd_order]
+        self._fwd_rate = np.minimum(wf, 1.0)  # per shard: the share of passes whose forward uses it
         nf = len(self.fwd_order)  # (a forward visit sends no gradient, and asks for no group read)
         self._forward = (self.fwd_order.tolist(), c_f[self.fwd_order].tolist(), self.f_w.tolist(), [-1.0] * nf, [False] * nf)
         self._backward = (self.bwd_order.tolist(), c_b[self.bwd_order].tolist(), self.b_w.tolist())
@@ -339,6 +352,10 @@ class Simulator:
         e_w = np.concatenate([f_w[f_in], b_w[b_in]])
         e_bytes = P[e_shard] * e_w
         tr.entries, tr.e_bytes = E, e_bytes.tolist()
+        # the entries of shards the forward uses in at least MIN_USE_RATE of the passes: read ahead
+        # from the pass's start; the others' forward entries are read when needed, their backward
+        # ones once backward starts
+        ahead = np.concatenate([f_w[f_in] >= MIN_USE_RATE, self._fwd_rate[bwd[b_in]] >= MIN_USE_RATE])
         # a read's seconds: known now when the cost model has no sharing, else worked out from
         # its requests and the requests in flight as it starts
         if io.read_shared_s_per_byte == 0.0 and io.write_shared_s_per_byte == 0.0:
@@ -357,7 +374,7 @@ class Simulator:
             e2 = np.where(chunk[e_shard[:nf]], -1, bwd_entry_of[e_shard[:nf]])
             near = cum[np.maximum(e2, 0)] - cum[1:nf + 1] <= self.reuse_distance_bytes
             keep[:nf] = np.where((e2 >= 0) & near, e2, -1)
-        self._prefetch(tr, e_shard.tolist(), keep.tolist())
+        self._prefetch(tr, e_shard.tolist(), keep.tolist(), ahead.tolist(), nf)
         # what a materialisation waits besides its read: an NVMe param the fetch overhead (as
         # recorded: resizing, copying out of the read buffer, launching the upload), a DRAM
         # param on a GPU machine its upload (bytes / copy_Bps, fitted on those fetches' whole
@@ -389,100 +406,105 @@ class Simulator:
         tr.todo_nvme = todo[group].tolist()
         return tr
 
-    def _prefetch(self, tr: _Trace, e_shard: list[int], keep: list[int]) -> None:
+    def _prefetch(self, tr: _Trace, e_shard: list[int], keep: list[int], ahead: list[bool], nf: int) -> None:
         """What the prefetcher does along a pass's trace: ``tr.issue_order`` (the entries whose
         reads it issues, in order: ``tr.begin`` of them as the pass begins, then per entry
-        ``tr.issued[e]`` once entry e is taken; counts, not lists: no object per entry for the
-        garbage collector to track), per entry ``tr.took`` (the entry whose read it takes, or
-        MISS / KEPT), and ``tr.dropped`` (bytes of the reads dropped unread, in order). This
-        depends on the trace's bytes only, never on time, so every pass of both runs does the
-        same: it is worked out once.
+        ``tr.issued[e]`` once entry e is taken, and ``tr.at_backward`` when backward starts, after
+        the ``nf`` forward entries; counts, not lists: no object per entry for the garbage
+        collector to track), per entry ``tr.took`` (the entry whose read it takes, or MISS /
+        KEPT), and ``tr.dropped`` (bytes of the reads dropped unread, in order). This depends on
+        the trace's bytes only, never on time, so every pass of both runs does the same: it is
+        worked out once.
 
         As ``zinf/prefetch.py`` does: taking an entry frees its read's room in the window, drops
         the reads the pass went past, and issues the next reads in trace order while they fit
         (reads in flight + kept params <= window); a shard whose earlier read is still in flight
         (or, ``reissue_in_use=False``, that is in use) is deferred and retried later; a forward
-        entry's param is kept for its backward entry (``keep``) when the window has room."""
+        entry's param is kept for its backward entry (``keep``) when the window has room. An
+        entry of a shard the forward seldom uses (``ahead`` False) is passed over among the
+        forward entries, and deferred among the backward ones until backward starts."""
         E, W = tr.entries, tr.window
-        tr.issue_order, tr.begin, tr.issued, tr.took, tr.dropped = [], 0, [0] * E, [MISS] * E, []
+        tr.issue_order, tr.begin, tr.at_backward, tr.issued, tr.took, tr.dropped = [], 0, 0, [0] * E, [MISS] * E, []
         if W <= 0:  # no prefetch: every read is a miss, nothing is kept
             return
-        e_bytes, out, issued, took, dropped = tr.e_bytes, tr.issue_order, tr.issued, tr.took, tr.dropped
+        e_bytes, out, took, dropped = tr.e_bytes, tr.issue_order, tr.took, tr.dropped
         block_in_use = not self.reissue_in_use
         # per shard: the entry of its read in flight, the entry it is kept for (-1: none)
         flying, kept = [-1] * self.n, [-1] * self.n
-        deferred: list[int] = []  # entries skipped because their shard was busy
+        deferred: list[int] = []  # entries skipped because their shard was busy, or backward's not begun
         used = 0.0  # window bytes: in flight + kept
         scan = 0  # first entry not yet looked at by the issuer
-        s = -1  # the shard taken: in use while the next reads are issued
-        n_out = 0  # len(out)
-        for e in range(-1, E):  # -1: the pass begins
-            if e >= 0:  # take entry e: its read's room (or its kept param's) is free again
-                s = e_shard[e]
-                x = kept[s]
-                if x >= 0:  # kept since its forward: no read
-                    used -= e_bytes[x]
-                    kept[s] = -1
-                    took[e] = KEPT
-                else:
-                    x = flying[s]
-                    if x >= 0:
-                        used -= e_bytes[x]
-                        took[e] = x
-                        flying[s] = -1
-                # drop the reads the pass went past: entries are taken in order and reads issued
-                # only after the entry taken, so only the previous entry's can be left (if kept)
-                if e and flying[e_shard[e - 1]] == e - 1:
-                    flying[e_shard[e - 1]] = -1
-                    used -= e_bytes[e - 1]
-                    dropped.append(e_bytes[e - 1])
-            # issue: first the deferred entries the pass has not gone past, then along the trace,
-            # while the reads fit; an entry whose shard is kept is covered, one whose shard is busy
-            # is deferred
-            before = n_out
-            room = True
+
+        def issue(e: int, s: int, backward: bool) -> None:
+            """Issue reads after entry ``e`` (-1: none yet) with shard ``s`` in use (-1: none):
+            first the deferred entries the pass has not gone past, then along the trace, while
+            the reads fit; an entry whose shard is kept is covered, one whose shard is busy (or
+            seldom used, before ``backward``) is deferred."""
+            nonlocal used, scan
             if deferred:
                 rest = []
                 for j, x in enumerate(deferred):
                     if x <= e or kept[e_shard[x]] >= 0:
                         continue
-                    if flying[e_shard[x]] >= 0 or (block_in_use and e_shard[x] == s):
+                    if flying[e_shard[x]] >= 0 or (block_in_use and e_shard[x] == s) or not (ahead[x] or backward):
                         rest.append(x)
                     elif used + e_bytes[x] > W:
-                        rest.extend(deferred[j:])
-                        room = False
-                        break
+                        deferred[:] = rest + deferred[j:]
+                        return
                     else:
                         flying[e_shard[x]] = x
                         used += e_bytes[x]
                         out.append(x)
-                        n_out += 1
                 deferred[:] = rest
-            if room:
-                if scan <= e:
-                    scan = e + 1
-                while scan < E:
-                    x = e_shard[scan]
-                    if kept[x] < 0:
-                        if flying[x] >= 0 or (block_in_use and x == s):
-                            deferred.append(scan)
-                        elif used + e_bytes[scan] > W:
-                            break
-                        else:
-                            flying[x] = scan
-                            used += e_bytes[scan]
-                            out.append(scan)
-                            n_out += 1
-                    scan += 1
-            if e < 0:
-                tr.begin = n_out
-                continue
-            issued[e] = n_out - before
+            if scan <= e:
+                scan = e + 1
+            while scan < E:
+                x = e_shard[scan]
+                if kept[x] < 0 and (scan >= nf or ahead[scan]):  # (a seldom used forward entry: a miss)
+                    if flying[x] >= 0 or (block_in_use and x == s) or not (ahead[scan] or backward):
+                        deferred.append(scan)
+                    elif used + e_bytes[scan] > W:
+                        return
+                    else:
+                        flying[x] = scan
+                        used += e_bytes[scan]
+                        out.append(scan)
+                scan += 1
+
+        issue(-1, -1, nf == 0)  # begin_pass
+        tr.begin = len(out)
+        for e in range(E):
+            # take entry e: its read's room (or its kept param's) is free again
+            s = e_shard[e]
+            x = kept[s]
+            if x >= 0:  # kept since its forward: no read
+                used -= e_bytes[x]
+                kept[s] = -1
+                took[e] = KEPT
+            else:
+                x = flying[s]
+                if x >= 0:
+                    used -= e_bytes[x]
+                    took[e] = x
+                    flying[s] = -1
+            # drop the reads the pass went past: entries are taken in order and reads issued
+            # only after the entry taken, so only the previous entry's can be left (if kept)
+            if e and flying[e_shard[e - 1]] == e - 1:
+                flying[e_shard[e - 1]] = -1
+                used -= e_bytes[e - 1]
+                dropped.append(e_bytes[e - 1])
+            before = len(out)
+            issue(e, s, e >= nf)
+            tr.issued[e] = len(out) - before
             # release: keep it for its backward entry when the window has room
             x = keep[e]
             if x >= 0 and used + e_bytes[x] <= W:
                 kept[s] = x
                 used += e_bytes[x]
+            if e == nf - 1:  # begin_backward: the last forward shard is released; issue again
+                before = len(out)
+                issue(e, -1, True)
+                tr.at_backward = len(out) - before
         if E and flying[e_shard[E - 1]] == E - 1:  # left in flight when the pass ends
             dropped.append(e_bytes[E - 1])
 
@@ -529,6 +551,11 @@ class Simulator:
             def others(start: float) -> int:
                 return sum(1 for f in free if f > start)
 
+        # the queue's latest requests, (start, end) in the order queued: what is in flight when a
+        # miss jumps the queue (read_urgent)
+        starts: list[float] = []
+        ends: list[float] = []
+
         def read(t: float, nbytes: float, requests: float = 1.0) -> float:
             """Queue a read at time t; returns when it lands."""
             nonlocal busy, rbytes
@@ -539,6 +566,38 @@ class Simulator:
             rbytes += nbytes
             end = start + dur
             heapreplace(free, end)
+            starts.append(start)
+            ends.append(end)
+            return end
+
+        def read_urgent(t: float, nbytes: float, requests: float = 1.0) -> float:
+            """A read the training thread waits for (a miss): as the store's request threads, it
+            goes ahead of the requests queued and not started at t, and starts as soon as a
+            server is free of the request it runs (among the queue's latest). The requests it
+            overtook are not moved (their landings are worked out already): the queue's tail is."""
+            nonlocal busy, rbytes
+            f = free[0]
+            if f <= t:  # a server is free: nothing queued to overtake
+                start = t
+            else:
+                running, first_end = 0, math.inf
+                # (queued in about the order they start: those started by t end at i, and those
+                # running are among the last few of them)
+                lo = max(0, len(starts) - URGENT_LOOKBACK)
+                i = bisect_right(starts, t, lo)
+                for j in range(i - 1, max(lo, i - 2 * servers - 2) - 1, -1):
+                    if t < ends[j]:
+                        running += 1
+                        if ends[j] < first_end:
+                            first_end = ends[j]
+                start = t if running < servers else first_end
+            dur = requests * r_lat + nbytes * ((r_spb + others(start) * r_share) if shared else r_spb)
+            busy += dur
+            rbytes += nbytes
+            end = start + dur
+            heapreplace(free, (f if f > start else start) + dur)  # the queue behind it waits as long
+            starts.append(start)
+            ends.append(end)
             return end
 
         def read_now(t: float, nbytes: float, requests: float = 1.0) -> float:
@@ -573,6 +632,8 @@ class Simulator:
             busy += dur
             end = start + dur
             heapreplace(free, end)
+            starts.append(start)
+            ends.append(end)
             heappush(wq, (end, nbytes))
             wq_bytes += nbytes
             return t
@@ -591,6 +652,8 @@ class Simulator:
                 rbytes += e_bytes[x]
                 landing[x] = end = start + dur
                 heapreplace(free, end)
+                starts.append(start)
+                ends.append(end)
 
         t = 0.0
         stall = 0.0
@@ -645,6 +708,8 @@ class Simulator:
             for is_bwd, records in ((False, tr.forward), (True, tr.backward)):
                 if is_bwd:
                     t_bwd_start = t
+                    prefetch(t, n_issued, tr.at_backward)  # begin_backward
+                    n_issued += tr.at_backward
                 for i, e, c, w, fixed, gb, eag in zip(*records):
                     # ---- materialise the param: an NVMe param takes its entry's read; the
                     # prefetcher issues the next ones before it waits (see _prefetch)
@@ -654,7 +719,7 @@ class Simulator:
                             n_issued += issued[e]
                         src = took[e]
                         if src != KEPT:  # (kept since its forward: no read)
-                            done = landing[src] if src >= 0 else read(t, e_bytes[e], w)
+                            done = landing[src] if src >= 0 else read_urgent(t, e_bytes[e], w)
                             wait = (done - t if done > t else 0.0) + fixed
                             stall += wait
                             t += wait

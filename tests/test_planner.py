@@ -191,12 +191,14 @@ def test_stall_cost_grows_with_accesses_and_bytes_and_vanishes_with_slack():
 
 
 # ------------------------------------------------------------------------------ simulator
-def random_workload(seed: int, n: int | None = None, **settings) -> Workload:
+def random_workload(seed: int, n: int | None = None, uses_from=(0.3, 1.0, 1.0, 2.0), **settings) -> Workload:
+    """A random workload of ``n`` shards (5-39), each used ``uses_from`` times a step (0.3: in 30%
+    of the steps)."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(5, 40)) if n is None else n
     rows = []
     for i in range(n):
-        uses = float(rng.choice([0.3, 1.0, 1.0, 2.0]))
+        uses = float(rng.choice(list(uses_from)))
         rows.append({"numel": int(rng.integers(1 << 12, 1 << 19)), "fwd_accesses_per_step": uses,
                      "bwd_accesses_per_step": uses, "opt_accesses_per_step": min(1.0, uses),
                      "chunk": bool(rng.random() < 0.15), "trainable": bool(rng.random() > 0.1)})
@@ -307,7 +309,7 @@ def test_where_the_engine_is_not_monotone_the_prediction_is_only_slightly_worse(
     the optimizer phase asks for the next NVMe group's read only when it reaches an NVMe group, so
     a DRAM group in front delays the pipeline's start; a shard's next read waits while the shard is
     in use, so a move that changes which reads are in flight when it is freed shifts them; and
-    several disk servers have list-scheduling anomalies. These are small (at most 6.6% on these 40
+    several disk servers have list-scheduling anomalies. These are small (at most 3.5% on these 40
     workloads); the greedy solver takes only moves it predicts to help."""
     checked, slower, worst = moves_to_dram(range(40), lambda rng: dict(
         prefetch_bytes=int(rng.choice([0, 1 << 20, 8 << 20, 1 << 30])), reuse_distance_bytes=int(rng.choice([0, 1 << 30])),
@@ -315,11 +317,14 @@ def test_where_the_engine_is_not_monotone_the_prediction_is_only_slightly_worse(
         disk_servers=int(rng.choice([1, 4])), pipeline_read=bool(rng.random() < 0.7),
         cpu_contention=float(rng.choice([0.0, 1.0]))))
     print(f"\n{slower} of {checked} random moves to DRAM predicted slower, by at most {worst:.2%}")
-    assert checked > 2000 and slower < 0.1 * checked and worst < 0.07
+    assert checked > 2000 and slower < 0.1 * checked and worst < 0.05
 
 
 def test_the_prefetch_window_matters():
-    wl = random_workload(7, n=30, compute_fwd_s=0.2, reuse_distance_bytes=0, disk_servers=1)
+    # every shard used every step: a shard used in fewer than MIN_USE_RATE of the steps is not read
+    # ahead, and its miss can wait for a prefetch on the one disk server (then a small window can
+    # stall more than none)
+    wl = random_workload(7, n=30, uses_from=(1.0, 2.0), compute_fwd_s=0.2, reuse_distance_bytes=0, disk_servers=1)
     nvme = wl.all_nvme_placement()
     none = simulate(wl, nvme, CM, prefetch_bytes=0)
     small = simulate(wl, nvme, CM, prefetch_bytes=int(wl.shards["param_bytes"].max()))
@@ -334,6 +339,45 @@ def test_the_prefetch_window_matters():
     # a window smaller than the largest param is no window, as the engine sizes it
     tiny = simulate(wl, nvme, CM, prefetch_bytes=int(wl.shards["param_bytes"].max()) - 1)
     assert tiny.step_s == pytest.approx(none.step_s)
+
+
+def test_a_shard_the_forward_seldom_uses_is_read_when_needed_and_its_backward_read_when_backward_starts():
+    """As zinf/prefetch.py: along the trace, only shards that at least MIN_USE_RATE of the passes'
+    forwards use are read ahead. Shard 1 (on NVMe) sits between two DRAM shards that compute
+    for 0.1 s each: used in 60% of the passes, both its reads are hidden; in 30%, its forward use
+    is a miss (0.3 of a read a pass, expected) and its backward read, issued when backward starts,
+    is hidden behind the next shard's backward. The simulator and the linearised stall cost agree."""
+    from zinf.prefetch import MIN_USE_RATE
+
+    pinned = {"numel": 1 << 20, "fwd_accesses_per_step": 1.0, "bwd_accesses_per_step": 1.0, "pin_param": "cpu",
+              "pin_optim": "cpu", "param_tier": "cpu", "optim_tier": "cpu"}
+    read_s = READ_LAT + (4 << 18) / READ_BPS
+    for uses in (0.3, 0.6):
+        rows = [pinned, {"numel": 1 << 18, "fwd_accesses_per_step": uses, "bwd_accesses_per_step": uses,
+                         "compute_weight": 1.0, "pin_optim": "cpu", "optim_tier": "cpu"}, dict(pinned)]
+        wl = Workload.from_rows(rows, compute_fwd_s=0.1, update_s_per_elem=1e-9,
+                                **{**LINEAR, "prefetch_bytes": 8 << 20, "write_window_bytes": None})
+        expected = 0.0 if uses >= MIN_USE_RATE else uses * read_s
+        assert stall_cost(wl, CM)["param_stall_s"].iat[1] == pytest.approx(expected, abs=1e-12)
+        assert simulate(wl, wl.all_nvme_placement(), CM).stall_s == pytest.approx(expected, abs=1e-12)
+    assert 0.3 < MIN_USE_RATE <= 0.6
+
+
+def test_a_miss_goes_ahead_of_the_prefetches_queued_not_of_the_read_running():
+    """The store serves a read the training thread waits for (a miss) before the requests queued
+    and not started, as zinf/storage/requests.py does: not behind the whole prefetch queue. Ten
+    frozen shards on NVMe, one disk server, no compute, a window that holds every read: the pass
+    starts with the reads of the nine used every step queued; shard 1, used in 30% of the steps, is
+    not read ahead, and its forward miss (at shard 0's landing) waits for the read then running
+    (shard 2's), not for the eight queued. Its backward read, issued when backward starts, lands
+    after the backward reads queued before it, just as it is needed."""
+    big, small = 1 << 18, 1 << 16
+    rows = [{"numel": n, "fwd_accesses_per_step": w, "bwd_accesses_per_step": w, "trainable": False}
+            for n, w in [(big, 1.0), (small, 0.3)] + [(big, 1.0)] * 8]
+    wl = Workload.from_rows(rows, compute_fwd_s=1e-6, update_s_per_elem=0.0, **{**LINEAR, "prefetch_bytes": 1 << 30})
+    stall = simulate(wl, wl.all_nvme_placement(), CM, per_shard=True).per_shard_stall_s
+    read_big, read_small = READ_LAT + 4 * big / READ_BPS, 0.3 * (READ_LAT + 4 * small / READ_BPS)  # (expected: 0.3 of a read)
+    assert stall.iat[1] == pytest.approx(read_big + 2 * read_small, abs=1e-5)  # (less the microseconds of compute)
 
 
 def test_a_kept_params_reissued_backward_read_is_wasted():
