@@ -14,7 +14,7 @@ kernels of other modules. Events order them, as FSDP2 orders its all-gathers:
   copy's event has completed: the CPU must not touch it while the DMA engine does.
 
 Copies are wrapped in ``record_function`` spans (``zinf.h2d`` / ``zinf.d2h``) for the torch
-profiler. Only the training thread calls into this module.
+profiler, while it records. Only the training thread calls into this module.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function
+
+from zinf.spans import span
 
 
 class Transfers:
@@ -44,7 +45,7 @@ class Transfers:
         """Copy each ``(device destination, pinned host source)`` on the ``h2d`` stream; returns
         the event to wait for before the destinations are used."""
         ready = self.compute.record_event()
-        with record_function("zinf.h2d"), torch.cuda.stream(self.h2d):
+        with span("zinf.h2d"), torch.cuda.stream(self.h2d):
             self.h2d.wait_event(ready)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
@@ -53,7 +54,7 @@ class Transfers:
     def download(self, src: Tensor, dst: Tensor) -> torch.cuda.Event:
         """Copy device tensor ``src`` into pinned host tensor ``dst`` on the ``d2h`` stream, after
         the compute work issued so far; returns the event after which ``dst`` holds the data."""
-        with record_function("zinf.d2h"):
+        with span("zinf.d2h"):
             self.d2h.wait_stream(self.compute)
             with torch.cuda.stream(self.d2h):
                 dst.copy_(src, non_blocking=True)

@@ -35,7 +35,6 @@ forward reads).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import os
@@ -51,7 +50,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.profiler import record_function
 from torch.utils._pytree import tree_map_only
 
 from zinf import events as ev
@@ -74,16 +72,11 @@ from zinf.placement import (
 from zinf.prefetch import Prefetcher, PrefetchStats
 from zinf.shards import Member, Shard, build_shards
 from zinf.sizing import DramSizing, Overlap, ShardSizes
+from zinf.spans import span
 from zinf.storage.aligned import BufferPool, aligned_empty
 from zinf.threads import single_threaded_torch
 
 log = logging.getLogger("zinf")
-
-
-def _span(name: str):
-    """``record_function(name)`` while the torch profiler records, else nothing (entering one costs
-    ~10 us even when no profiler runs)."""
-    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _same_bytes(a: Tensor, b: Tensor) -> bool:
@@ -715,7 +708,7 @@ class Engine:
         shard = st.shard
         nbytes = self._nbytes(st)[0]
         read_wait_s = 0.0  # of the stall: waiting for the read (the rest no prefetch can hide)
-        with record_function(f"zinf.fetch.{st.place.param}"):
+        with span(f"zinf.fetch.{st.place.param}"):
             if st.place.param == "nvme":
                 entry = self._prefetcher.take(shard.index)
                 if entry is None:  # a miss: the read goes before anything queued not waited for
@@ -924,7 +917,7 @@ class Engine:
         """Add gradient ``g`` (on the CPU) of member ``i`` into the shard's fp32 accumulator; an
         NVMe shard's accumulator is then written out, or the shard updated at once."""
         m = st.shard.members[i]
-        with record_function("zinf.grad.offload"):
+        with span("zinf.grad.offload"):
             if st.grad is None and st.grad_buffer is not None:
                 st.grad = st.grad_buffer  # a DRAM optimizer home keeps its accumulator between steps
             elif st.grad is None:
@@ -1124,7 +1117,7 @@ class Engine:
             args, kwargs = tree_map_only(
                 Tensor, lambda t: t.to(self.device, non_blocking=True) if t.device.type == "cpu" else t, (args, kwargs))
         t0 = time.perf_counter()
-        with record_function("zinf.forward"):
+        with span("zinf.forward"):
             out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
             self._free_kept()  # evaluation: no backward follows that could reuse them
@@ -1152,7 +1145,7 @@ class Engine:
             self._prefetcher.begin_backward()  # prefetch what this forward used, in reverse
         self._in_backward = True
         try:
-            with record_function("zinf.backward"), warnings.catch_warnings():
+            with span("zinf.backward"), warnings.catch_warnings():
                 # A module none of whose inputs needs a gradient (the first layer, an embedding)
                 # gets its full-backward hook early; _make_post_backward handles that case.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
@@ -1169,7 +1162,7 @@ class Engine:
         if self.micro_steps % self.gradient_accumulation_steps != 0:
             return
         t0 = time.perf_counter()
-        with record_function("zinf.optimizer"):
+        with span("zinf.optimizer"):
             self._optimizer_phase()
         self._step_timer.optimizer_s += time.perf_counter() - t0
         self.global_steps += 1
@@ -1269,7 +1262,7 @@ class Engine:
         read_bytes = write_bytes = 0
         on_nvme = st.place.optim == "nvme"
         buffers: dict[str, Tensor] = {}
-        with record_function(f"zinf.optimizer.read.{st.place.optim}"):
+        with span(f"zinf.optimizer.read.{st.place.optim}"):
             if on_nvme:
                 loaded = {}
                 store = self._stores["optim"]
@@ -1295,7 +1288,7 @@ class Engine:
                     st.moments = {name: torch.zeros_like(master) for name in opt.state_names}
                 moments = st.moments
         t1 = time.perf_counter()
-        with record_function("zinf.optimizer.update"):
+        with span("zinf.optimizer.update"):
             for i in sorted(st.grad_members):
                 m = shard.members[i]
                 sl = slice(m.offset, m.offset + m.numel)
@@ -1306,7 +1299,7 @@ class Engine:
                 opt.update(master[sl], g, {k: v[sl] for k, v in moments.items()}, st.steps[i])
         st.has_moments = True
         t2 = time.perf_counter()
-        with record_function(f"zinf.optimizer.write.{st.place.optim}"):
+        with span(f"zinf.optimizer.write.{st.place.optim}"):
             self._refresh_param_home(st, master)  # before the write-back hands master's buffer on
             if on_nvme:
                 if "grad" in buffers:  # the gradient was read into a pooled buffer: done with it
@@ -1537,7 +1530,7 @@ class Engine:
             return
         t0 = time.perf_counter()
         try:
-            with _span(f"zinf.migrate.{move.state}.{src}_to_{move.dst}"):
+            with span(f"zinf.migrate.{move.state}.{src}_to_{move.dst}"):
                 self._relocate(st, new)
         except Exception as e:  # the shard is still in its old home (see _relocate)
             why = f"{type(e).__name__}: {e}; {st.name} stays in its {src} home"

@@ -133,6 +133,7 @@ class Prefetcher:
         self._forward_uses: list[int] | None = []  # this pass's forward fetches; None once backward began
         self._forward_len: int | None = None  # entries of the recorded trace that are forward fetches
         self.use_rate: dict[int, float] = {}  # forward shard -> EWMA over passes of "this pass used it"
+        self._walk: list[int] | None = None  # see _walk_positions; None: to work out again
 
     @property
     def enabled(self) -> bool:
@@ -148,6 +149,7 @@ class Prefetcher:
         self._recorded = (self.trace, self._positions, self._bytes_before)
         if self._forward_len is not None:
             self.use_rate = {shard: 1.0 for shard in self.trace[: self._forward_len]}
+        self._walk = None
 
     def _learn_forward(self, uses: list[int]) -> None:
         """After a pass's forward (``uses``: its fetches in order): update each forward shard's
@@ -159,6 +161,7 @@ class Prefetcher:
         used = set(uses)
         for shard, rate in self.use_rate.items():
             self.use_rate[shard] = rate + a * ((shard in used) - rate)
+        self._walk = None  # (which shards are read ahead may have changed)
         new = [s for s in dict.fromkeys(uses) if s not in self.use_rate]
         if not new:
             return
@@ -175,7 +178,7 @@ class Prefetcher:
 
     def _index_trace(self, trace: list[int]) -> None:
         """Make ``trace`` the one followed: each shard's positions and the bytes before each."""
-        self.trace, self._positions, self._bytes_before = trace, {}, [0]
+        self.trace, self._positions, self._bytes_before, self._walk = trace, {}, [0], None
         for i, shard in enumerate(trace):
             self._positions.setdefault(shard, []).append(i)
             self._bytes_before.append(self._bytes_before[-1] + self.nbytes_of(shard))
@@ -196,6 +199,7 @@ class Prefetcher:
         self.cancel()
         if self._recorded is not None and self.trace is not self._recorded[0]:
             self.trace, self._positions, self._bytes_before = self._recorded  # back from a backward's own
+            self._walk = None
         self._forward_uses = []
         self.pos = 0
         self._issue()
@@ -304,6 +308,17 @@ class Prefetcher:
         """The use rates that apply to the trace followed now: None in a backward's own trace."""
         return self.use_rate if self._recorded is not None and self.trace is self._recorded[0] else None
 
+    def _walk_positions(self) -> list[int]:
+        """The positions of the trace followed now whose shard is read ahead (:meth:`likely`), in
+        order: the issuer walks these only. Worked out when the trace or the use rates change (a
+        few times a pass), not at every fetch: on the MoE most of the recorded forward is experts
+        passes seldom use, and the walk went through them to the trace's end at every fetch."""
+        if self._walk is None:
+            rates = self._learnt_rates()
+            self._walk = (list(range(len(self.trace))) if rates is None
+                          else [j for j, shard in enumerate(self.trace) if rates.get(shard, 1.0) >= MIN_USE_RATE])
+        return self._walk
+
     def _window_used(self) -> int:
         return self.in_flight_bytes + self.kept_bytes
 
@@ -340,10 +355,11 @@ class Prefetcher:
         # the trace's own byte counts), the engine's callbacks asked last.
         trace, sizes, needs_read, busy = self.trace, self._bytes_before, self.needs_read, self.busy
         in_flight, kept, claimed = self.in_flight, self.kept, self._claimed
-        rates = self._learnt_rates()  # likely(), inline: this loop runs at every fetch
-        for j in range(self.pos, len(trace)):
+        walk = self._walk_positions()  # the positions of shards read ahead (likely())
+        for k in range(bisect.bisect_left(walk, self.pos), len(walk)):
+            j = walk[k]
             shard = trace[j]
-            if shard == taking or (rates is not None and rates.get(shard, 1.0) < MIN_USE_RATE):
+            if shard == taking:
                 continue
             nbytes = sizes[j + 1] - sizes[j]
             if shard in in_flight or shard in kept or shard in claimed:

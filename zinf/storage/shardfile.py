@@ -24,7 +24,6 @@ or the new version at the path, never a mix.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import functools
@@ -38,12 +37,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
 
 from zinf.errors import CorruptShardError, StorageError, ZinfError
 from zinf.storage.aligned import ALIGN, aligned_empty, is_aligned, round_down, round_up
 from zinf.storage.fsinfo import O_DIRECT
 from zinf.storage.io import IoBackend, ShortTransferError, read_full, readv_full, write_full, writev_full
+from zinf.spans import span
 
 try:  # the same CRC-32 as zlib's, ~10x faster; it releases the GIL like zlib does
     from isal.isal_zlib import crc32 as payload_crc32
@@ -660,12 +659,6 @@ def _header_block(header: ShardHeader) -> memoryview:
     return view
 
 
-def _io_span(name: str):
-    """``record_function(name)`` while the torch profiler records, else nothing: entering one
-    costs ~10 us even when no profiler runs, a few percent of a 1 MiB transfer."""
-    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
-
-
 def write_tensor_file(
     path: str | os.PathLike,
     tensor: torch.Tensor,
@@ -734,7 +727,7 @@ def write_tensor_file(
     flags = os.O_WRONLY | os.O_CLOEXEC | (O_DIRECT if o_direct else 0) | (os.O_DSYNC if dsync else 0)
     if not reusing:
         flags |= os.O_CREAT | os.O_EXCL
-    with _io_span("zinf.io.write"):
+    with span("zinf.io.write"):
         try:
             fd = os.open(tmp, flags, 0o644)
         except OSError as e:
@@ -859,7 +852,7 @@ def read_tensor_file(
     path = path if isinstance(path, Path) else Path(path)
     _check_staging(staging)
     flags = os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if o_direct else 0)
-    with _io_span("zinf.io.read"):
+    with span("zinf.io.read"):
         try:
             fd = os.open(path, flags)
         except OSError as e:
@@ -971,11 +964,11 @@ def copy_tensor_file(
             crc = 0
             for offset in range(HEADER_BYTES, header.file_bytes, len(chunk)):
                 view = memoryview(chunk)[: min(len(chunk), header.file_bytes - offset)]
-                with _io_span("zinf.io.read"):
+                with span("zinf.io.read"):
                     read_full(src_fd, view, offset)
                 payload_bytes = max(0, min(len(view), HEADER_BYTES + header.nbytes - offset))
                 crc = payload_crc32(view[:payload_bytes], crc)
-                with _io_span("zinf.io.write"):
+                with span("zinf.io.write"):
                     write_full(dest_fd, view, offset)
             if crc != header.crc32:
                 raise _corrupt(
@@ -983,7 +976,7 @@ def copy_tensor_file(
                     header.key,
                     f"checksum mismatch (header crc32 {header.crc32:#010x}, payload {crc:#010x})",
                 )
-            with _io_span("zinf.io.write"):
+            with span("zinf.io.write"):
                 write_full(dest_fd, memoryview(header.encode()), 0)
             os.fdatasync(dest_fd)
         finally:
