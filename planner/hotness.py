@@ -278,7 +278,7 @@ def stall_cost(workload: Workload, cost_model, *, prefetch_bytes: int | None = N
     e_bytes = P[rec_shard[entries]] * reads_w[entries]
     # As zinf/prefetch.py: the shards the forward uses in at least MIN_USE_RATE of the passes are
     # read ahead along the trace; the others' forward entries are read when needed (no slack, no
-    # window), their backward ones issued once backward starts (the last forward entry taken)
+    # window), their backward ones issued once backward starts (the forward's compute is over)
     often = np.minimum(wf[rec_shard[entries]], 1.0) >= MIN_USE_RATE
     e_bwd = rec_is_bwd[entries]
     largest = float(P[in_trace].max()) if in_trace.any() else 0.0
@@ -289,8 +289,7 @@ def stall_cost(workload: Workload, cost_model, *, prefetch_bytes: int | None = N
         # entry e is issued when entry m is taken, m the first with bytes(m+1 .. e) <= window
         m = np.searchsorted(cb, cb[1:] - window, side="left") - 1
         issue_at = np.where(m >= 0, compute_before[entries[np.maximum(m, 0)]], 0.0)
-        fwd_entries = entries[~e_bwd]
-        backward_starts = compute_before[fwd_entries[-1]] if len(fwd_entries) else 0.0
+        backward_starts = float(rec_compute[~rec_is_bwd].sum())
         issue_at = np.where(e_bwd & ~often, np.maximum(issue_at, backward_starts), issue_at)
         slack = np.where(often | e_bwd, np.maximum(0.0, compute_before[entries] - issue_at), 0.0)
     read_one = io.read_s(P)
