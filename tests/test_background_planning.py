@@ -162,7 +162,9 @@ def test_plans_are_made_elsewhere_and_taken_up_within_the_lag(tmp_path, planning
 
     def run(lag: int):
         model, _, data = skewed_moe(skew=3.0)
-        config = adaptive_config(tmp_path / f"lag{lag}", 8 * MiB, plan_lag_steps=lag)
+        # (a plan must be adopted: no prefetch window and no band for untried engine modes, as in
+        # test_controller's tests that need one)
+        config = adaptive_config(tmp_path / f"lag{lag}", 8 * MiB, prefetch=False, trial_band=0, plan_lag_steps=lag)
         with zinf.initialize(model, config) as engine:
             losses = train_steps(engine, data, steps)
             engine.recorder.flush()
