@@ -355,7 +355,7 @@ class Simulator:
         # the entries of shards the forward uses in at least MIN_USE_RATE of the passes: read ahead
         # from the pass's start; the others' forward entries are read when needed, their backward
         # ones once backward starts
-        ahead = np.concatenate([f_w[f_in] >= MIN_USE_RATE, self._fwd_rate[bwd[b_in]] >= MIN_USE_RATE])
+        ahead = self._fwd_rate[e_shard] >= MIN_USE_RATE
         # a read's seconds: known now when the cost model has no sharing, else worked out from
         # its requests and the requests in flight as it starts
         if io.read_shared_s_per_byte == 0.0 and io.write_shared_s_per_byte == 0.0:

@@ -314,9 +314,7 @@ class Prefetcher:
         few times a pass), not at every fetch: on the MoE most of the recorded forward is experts
         passes seldom use, and the walk went through them to the trace's end at every fetch."""
         if self._walk is None:
-            rates = self._learnt_rates()
-            self._walk = (list(range(len(self.trace))) if rates is None
-                          else [j for j, shard in enumerate(self.trace) if rates.get(shard, 1.0) >= MIN_USE_RATE])
+            self._walk = [j for j, shard in enumerate(self.trace) if self.likely(shard)]
         return self._walk
 
     def _window_used(self) -> int:
