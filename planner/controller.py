@@ -376,6 +376,15 @@ def _model_numbers(wl: Workload) -> dict[str, float | str]:
     return out
 
 
+def _placement_of(homes: dict) -> dict[str, dict[str, str]]:
+    """{(shard, state): tier} as the engine's {shard: {"param": tier, "optim": tier}} (the inverse
+    of :func:`planner.solver.homes_of`)."""
+    placement: dict[str, dict[str, str]] = {}
+    for (shard, state), tier in homes.items():
+        placement.setdefault(shard, {})[state] = tier
+    return placement
+
+
 def _assignments(placement: dict, target: dict, density: dict | None = None) -> list[dict]:
     """The ``plan_assignments`` rows of a plan: every shard of the engine's ``placement`` with the
     tiers ``target`` ({home: tier}) gives it (its current ones where ``target`` is silent) and its
@@ -1287,8 +1296,25 @@ class AdaptiveController:
         # went the trial of all-NVMe with updates during backward, 11% faster than max_in_cpu).
         trial_ok = self.plans_made > 0 and self._may_try(step) and not drifted and not shifted
         s_per_move, s_per_byte = self._move_cost(cost)
-        plan, sim = self._best_plan(engine, configured.with_overhead(workload.overhead_s), cost, trial_ok=trial_ok,
-                                    move_s_per_byte=s_per_byte)
+        candidates = configured.with_overhead(workload.overhead_s)
+        plan, sim = self._best_plan(engine, candidates, cost, trial_ok=trial_ok, move_s_per_byte=s_per_byte)
+        plan_homes, plan_mode = plan.homes(), getattr(plan, "mode", None)
+        sims = {}  # the simulator of each placement the policy weighs, by its engine mode
+
+        def sim_for(homes: dict) -> tuple[Simulator, Mode | None]:
+            """The simulator of ``homes`` with the buffers the engine would grant them. The
+            policy may take less than the plan (the warm band, the ping-pong hold keep homes
+            where they are), and the engine sizes its buffers from the homes it really has: a
+            plan that took every home into DRAM had no buffers, and the half of it the warm band
+            left was simulated without any, at twice the step it would run (the frozen-block GPT
+            with a budget holding every home: every plan "slower" than all-NVMe)."""
+            if homes == plan_homes:
+                return sim, plan_mode
+            granted = self._granted(engine, candidates, _placement_of(homes))
+            mode = mode_of(granted)
+            if mode not in sims:
+                sims[mode] = Simulator(granted, cost, prefetch_bytes=granted.prefetch_bytes)
+            return sims[mode], mode
         trial = bool(getattr(plan, "trial", False))
         # a plan in a mode that never ran, not tried: its calibration is borrowed, its error
         # unknown by up to trial_band of the step - it must clear that too (a reaction to a
@@ -1326,7 +1352,7 @@ class AdaptiveController:
             min_gain += s.trial_band
         decision = self.policy.decide(
             current, plan.homes(), current_step_s=current_step_s,
-            predict_step_s=lambda homes: sim.predict(homes).step_s,
+            predict_step_s=lambda homes: sim_for(homes)[0].predict(homes).step_s,
             density=density, dram_bytes=plan.home_bytes(), dram_room_bytes=plan.room_bytes,
             migration_s=move_s, horizon_steps=s.replan_every * s.horizon_plans,
             min_gain_fraction=min_gain,
@@ -1344,6 +1370,7 @@ class AdaptiveController:
             self._explore_until = step + s.trial_periods * s.replan_every
         self.plans_made += 1
         self.last_plan, self.last_decision = plan, decision
+        sim, target_mode = sim_for(decision.placement)  # the placement taken, as the engine will run it
         self._last_solved = _Solved(rates, float(workload.measured_step_s), dict(current), decision.adopt, step)
         # the plan's step: the current one less the (scaled) gain; the model's own, unscaled
         model_gain_s = current_step_s - sim.predict(decision.placement).step_s if decision.moves else 0.0
@@ -1353,7 +1380,7 @@ class AdaptiveController:
             "solver": plan.method, "solver_s": plan.solve_s, "note": plan.note, "trigger": "drift" if drifted else "schedule",
             "model_error": self.model_error, "model_gain_s": model_gain_s, "step_noise": noise,
             "min_gain_fraction": min_gain, "accesses_shifted": shifted, "calibration_error": calibration_error,
-            "model": _model_numbers(workload), "trial": trial, "mode": describe_mode(getattr(plan, "mode", mode_of(workload))),
+            "model": _model_numbers(workload), "trial": trial, "mode": describe_mode(target_mode or mode_of(workload)),
             "mode_untried": untried, "probe": probe,
         }
         self.recorder.record_plan(
@@ -1387,7 +1414,7 @@ class AdaptiveController:
         before = float(workload.measured_step_s) if before_s is None else before_s
         landed = sim.predict(decision.placement)
         self._verify = _Check(step, before, dict(current), predicted_s, rates, model_gain_s, reaction=shifted,
-                              trial=trial, mode=getattr(plan, "mode", None),
+                              trial=trial, mode=target_mode,
                               model_step_s=float(landed.step_s), overhead_s=float(landed.overhead_s),
                               before_mode=self._mode_now[0], before_residual_s=self._mode_now[1])
         return decision.moves
@@ -1791,17 +1818,23 @@ class AdaptiveController:
 
     def _as_granted(self, engine, workload: Workload, plan: Plan, cost) -> Workload:
         """Re-predict ``plan`` with the buffers the engine would grant it (the solver assumed the
-        split's) and the calibration residual of that engine mode: ``workload``'s (the mode in
-        force's) plus the mode's offset from it where the mode has run (:attr:`mode_offset_s`);
-        sets ``plan.prediction`` and ``plan.mode`` and returns the workload with those buffers."""
-        ov = engine.overlap_of(plan.placement)
+        split's) and the calibration residual of that engine mode (:meth:`_granted`); sets
+        ``plan.prediction`` and ``plan.mode`` and returns the workload with those buffers."""
+        granted = self._granted(engine, workload, plan.placement)
+        plan.mode = mode_of(granted)
+        plan.prediction = Simulator(granted, cost, prefetch_bytes=granted.prefetch_bytes).predict(plan.placement)
+        return granted
+
+    def _granted(self, engine, workload: Workload, placement: dict) -> Workload:
+        """``workload`` with the overlap buffers the engine would grant ``placement`` and the
+        calibration residual of that engine mode: ``workload``'s (the mode in force's) plus the
+        mode's offset from it where the mode has run (:attr:`mode_offset_s`)."""
+        ov = engine.overlap_of(placement)
         granted = workload.with_buffers(prefetch_bytes=ov.prefetch_bytes, write_bytes=ov.write_bytes,
                                         read_ahead_bytes=ov.read_ahead_bytes, eager=ov.eager)
-        plan.mode = mode_of(granted)
-        offsets, now = self.mode_offset_s, self._mode_now
-        if now is not None and plan.mode != now[0] and plan.mode in offsets:
-            granted = granted.with_overhead(float(workload.overhead_s) + offsets[plan.mode] - offsets[now[0]])
-        plan.prediction = Simulator(granted, cost, prefetch_bytes=granted.prefetch_bytes).predict(plan.placement)
+        mode, offsets, now = mode_of(granted), self.mode_offset_s, self._mode_now
+        if now is not None and mode != now[0] and mode in offsets:
+            granted = granted.with_overhead(float(workload.overhead_s) + offsets[mode] - offsets[now[0]])
         return granted
 
     def _solve_with_working_set(self, engine, wl: Workload, cost, fixed: int, buffers: int):

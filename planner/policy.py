@@ -263,9 +263,12 @@ class PlacementPolicy:
         if band <= 0 or not in_dram:
             return dict(candidate)
         # The plan's boundary: between its least valuable DRAM home and its most valuable NVMe
-        # one (geometric mean: densities span orders of magnitude).
+        # one (geometric mean: densities span orders of magnitude). A plan that leaves no home
+        # worth anything on NVMe has none: every home it takes in fits, and no home is near a
+        # threshold (the band once kept the least valuable of them out, the frozen-block GPT's
+        # optimizer homes, on a budget that held every home).
         lo_in, hi_out = min(in_dram), max(on_nvme, default=0.0)
-        threshold = math.sqrt(lo_in * hi_out) if hi_out > 0 else lo_in
+        threshold = math.sqrt(lo_in * hi_out)
         target = dict(candidate)
         for home, dst in candidate.items():
             src = current.get(home)

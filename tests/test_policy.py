@@ -304,3 +304,16 @@ def test_a_trial_is_taken_whole_within_its_band_and_pays_back_on_the_gain_it_may
     assert unscaled.adopt and unscaled.gain_s_per_step == 0.0
     assert not policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.17, trial_band=0.05,
                              gain_scale=0.0, **kw).adopt
+
+
+def test_warm_band_keeps_nothing_out_when_the_plan_leaves_nothing_worth_a_byte_on_nvme():
+    """A budget that holds every home: the plan takes them all in, and none is near a threshold
+    (there is none), however close their densities are to each other."""
+    homes, saved, size, density = setup(4)
+    density = {h: (0.030 + 0.001 * i) / (10 * MiB) for i, h in enumerate(homes)}
+    saved = {h: density[h] * size[h] for h in homes}
+    current = {h: "nvme" for h in homes}
+    candidate = {h: "cpu" for h in homes}
+    d = decide(PlacementPolicy(PolicySettings(warm_band=0.15, min_gain_fraction=0)), current, candidate,
+               saved, size, density, room=40 * MiB, horizon=10_000, move_s=0.0)
+    assert d.adopt and d.placement == candidate and d.kept_by_warm_band == 0, d.reason
