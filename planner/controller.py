@@ -973,7 +973,9 @@ class AdaptiveController:
         if self._job is not None:  # a plan is being made in the planning process: take it up once made
             return self._take_up(engine, step)
         if self._target is not None:
-            left = diff_moves(homes_of(engine.placement), self._target)
+            placement = homes_of(engine.placement)
+            self._drop_refused(getattr(engine, "last_migration", None), placement)
+            left = diff_moves(placement, self._target)
             if left:
                 return left
             self._target = None  # the plan has landed: measure from here on
@@ -1364,6 +1366,7 @@ class AdaptiveController:
             # belongs; one home's few steps since cannot show it, all of them together can
             accesses_changed=shifted,
             trial_band=s.trial_band if trial else None,
+            fits=lambda homes: engine.dram_need_of(_placement_of(homes)).total_bytes <= self.dram_budget_bytes,
         )
         decision = self._unless_reverted_before(decision, rates, shifted, trial)
         if self._explore_until is None:  # the first plan: trials may follow for trial_periods periods
@@ -1864,6 +1867,23 @@ class AdaptiveController:
                 break
             reserved = refined
         return (plan, used_reserved) if plan is not None else (None, 0)
+
+    def _drop_refused(self, report, placement: dict[Home, str]) -> None:
+        """The moves of the plan being applied that the engine refused (over its DRAM budget by
+        its count, a move that failed) in a migration that made no other move leave the target:
+        the home stays where it is, and the plan lands without them. Asked again, the engine
+        would refuse again, and the plan would never land (nor be measured, nor another one
+        made). While other moves land, a refused one is asked again: what it needed may be freed
+        by the moves after it (evicting a param whose optimizer home stays in DRAM grows the
+        working set until that home follows it)."""
+        if report is None or not report.refused or self._target is None or report.done or report.deferred:
+            return
+        dropped = [(m, why) for m, why in report.refused if self._target.get((m.shard, m.state)) == m.dst]
+        for m, _ in dropped:
+            self._target[(m.shard, m.state)] = placement[(m.shard, m.state)]
+        if dropped:
+            log.warning("zinf planner: the engine refused %d move(s) of the plan being applied (%s); it lands without them",
+                        len(dropped), dropped[0][1])
 
     def _learn_migration_cost(self, report) -> None:
         """Keep a new migration report in :attr:`migrations_measured` (the last

@@ -9,7 +9,9 @@ noisy steps may be undone by the next one. The policy therefore decides, per can
    plan keeps in DRAM and the most valuable one it leaves on NVMe - stays where it is: such a move
    buys almost nothing and is the first to flip back.
    If keeping evicted homes in DRAM would break the budget, the lowest-density ones are evicted
-   after all.
+   after all. A plan that leaves no home worth anything on NVMe has no threshold, and no band.
+   A target the engine would refuse by its own count of DRAM (``fits``: working set, homes that
+   share DRAM) gives up its least valuable moves into DRAM until it fits.
 2. **Adoption.** The plan (after the warm band) is adopted only when its predicted gain over the
    remaining horizon beats the migration cost by ``margin``:
    ``(current_step_s - plan_step_s) * horizon_steps > margin * migration_s``, and the gain per
@@ -100,6 +102,7 @@ class Decision:
     kept_by_warm_band: int = 0
     pingpong_moves: int = 0
     held_back: int = 0  # moves of the candidate undone because they would have been ping-pong
+    left_out: int = 0  # moves into DRAM undone because the engine's own count put the target over the budget
     gain_scale: float = 1.0  # the factor the predicted gain was scaled by (realised / predicted)
 
     def as_reason(self) -> dict:
@@ -108,7 +111,8 @@ class Decision:
             "adopt": self.adopt, "why": self.reason, "moves": len(self.moves),
             "gain_s_per_step": self.gain_s_per_step, "migration_s": self.migration_s,
             "horizon_steps": self.horizon_steps, "kept_by_warm_band": self.kept_by_warm_band,
-            "pingpong_moves": self.pingpong_moves, "held_back": self.held_back, "gain_scale": self.gain_scale,
+            "pingpong_moves": self.pingpong_moves, "held_back": self.held_back, "left_out": self.left_out,
+            "gain_scale": self.gain_scale,
         }
 
 
@@ -169,6 +173,7 @@ class PlacementPolicy:
         rates: Mapping[str, float] | None = None,
         rate_variance: float | Mapping[str, float] = 0.0,
         trial_band: float | None = None,
+        fits: Callable[[Mapping[Home, str]], bool] | None = None,
     ) -> Decision:
         """Judge ``candidate`` against ``current`` (both ``{home: tier}``).
 
@@ -193,6 +198,9 @@ class PlacementPolicy:
         engine mode on trial), adopted when the model predicts any gain at all (not only one
         above ``min_gain_fraction``; before ``gain_scale``, which may be 0) and the gain it may
         have (the scaled prediction + the band of the step) pays back its migrations.
+        ``fits(placement)``: whether the engine would accept ``placement`` under its DRAM budget,
+        by its own count (working set, homes that share DRAM); a target it would not is trimmed
+        (:meth:`_fit`) before it is judged.
         """
         s = self.settings
         self._rate_variance = _variance_spec(rate_variance)
@@ -203,18 +211,21 @@ class PlacementPolicy:
         held = 0
         if s.hold_pingpong and not accesses_changed and self._history and not trial:
             target, held = self._hold_back(current, target, density, dram_bytes, dram_room_bytes, rates)
+        left_out = 0
+        if fits is not None:
+            target, left_out = self._fit(current, target, density, fits)
         moves = diff_moves(current, target)
         if not moves:
             why = "no home changes tier" + (f" ({held} moves held back: they would undo a recent plan)" if held else "")
             return Decision(False, why, [], dict(current), 0.0, 0.0, horizon_steps, kept, held_back=held,
-                            gain_scale=gain_scale)
+                            left_out=left_out, gain_scale=gain_scale)
         plan_step_s = predict_step_s(target)
         gain_s = (current_step_s - plan_step_s) * gain_scale
         cost_s = sum(migration_s(m) for m in moves)
         pingpong = self._pingpong(current, moves)
         base = dict(moves=moves, placement=target, gain_s_per_step=gain_s, migration_s=cost_s,
                     horizon_steps=horizon_steps, kept_by_warm_band=kept, pingpong_moves=pingpong,
-                    held_back=held, gain_scale=gain_scale)
+                    held_back=held, left_out=left_out, gain_scale=gain_scale)
         scaled = f" (x{gain_scale:.2f}: what landed plans realised)" if gain_scale != 1.0 else ""
         # a trial needs the model to predict a gain at all, unscaled: it promises nothing, its
         # measurement decides (a realised scale of 0 after one reverted plan barred every trial)
@@ -292,6 +303,37 @@ class PlacementPolicy:
         if used > room_bytes:  # the warm band cannot be honoured within the budget: take the plan
             return dict(candidate)
         return target
+
+    @staticmethod
+    def _fit(current, target, density, fits) -> tuple[dict[Home, str], int]:
+        """``target`` with its least valuable moves into DRAM undone until the engine would accept
+        it (``fits``), and how many were undone. The warm band and the ping-pong hold keep their
+        room by the homes' own bytes; the engine also counts the working set and homes that share
+        DRAM, and refuses a move that breaks the budget by its count: a drift run at 20% once
+        adopted a target 0.4 MiB over it, whose 4 refused moves the controller re-issued for
+        50 steps. (A target that does not fit with every such move undone is returned as it is:
+        the engine refuses what does not fit, the controller drops those moves.)"""
+        if fits(target):
+            return dict(target), 0
+        incoming = sorted((h for h, t in target.items()
+                           if t == "cpu" and current.get(h) in MOVABLE_TIERS and current.get(h) != "cpu"),
+                          key=lambda h: density.get(h, 0.0))
+
+        def undo(m: int) -> dict[Home, str]:  # the target less its m least valuable moves into DRAM
+            out = dict(target)
+            for home in incoming[:m]:
+                out[home] = current[home]
+            return out
+
+        if not incoming or not fits(undo(len(incoming))):
+            return dict(target), 0
+        # the fewest to undo: each home undone frees DRAM, so fitting is monotone in m (each
+        # ask is a pass over every shard: a bisection asks ~log2(moves) times)
+        lo, hi = 0, len(incoming)  # undo(lo) does not fit, undo(hi) does
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(undo(mid)) else (mid, hi)
+        return undo(hi), hi
 
     def _changed(self, home: Home, dst: str, current, rates) -> bool:
         """Whether ``home``'s accesses per step now (``rates``) differ from those of the newest

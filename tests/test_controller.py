@@ -8,6 +8,8 @@ that holds only part of it.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -1306,3 +1308,56 @@ def test_after_a_dense_models_steps_drift_one_plan_follows_not_one_every_few_ste
     # one drift plan for the change, two if the machine's load changed too (seen once in a full
     # suite run); without the level, one every 3 steps while the window's median lags: 4 of them
     assert len(drift) <= 2, plans[["created_step"]].assign(trigger=[r.get("trigger") for r in plans["reason"]])
+
+
+def test_moves_the_engine_refuses_are_asked_again_while_others_land_then_left_out(tmp_path, caplog):
+    """A plan whose target the engine will not hold whole (over zinf.dram_budget by its count):
+    the moves it refuses are asked again while the others land, and left out once nothing else
+    lands, so that the plan lands without them and planning goes on (it used to re-issue them
+    every step, for good: no plan was ever made again). The target is forced: every home into
+    DRAM, under a budget that holds about half of them."""
+    import logging
+
+    from planner.controller import AdaptiveController, ControllerSettings
+    from planner.policy import diff_moves
+    from planner.solver import homes_of
+
+    model, data, config, url = _profiled_tiny_gpt(tmp_path)
+    every_home_in_dram = None
+    with zinf.initialize(copy.deepcopy(model), config) as probe:  # what the engine's count says
+        every_home_in_dram = {n: {"param": "cpu", "optim": "cpu" if t["optim"] != "none" else "none"}
+                              for n, t in probe.placement.items()}
+        least = probe.dram_need.minimum_bytes  # working set and staging (the buffers take what is left)
+        homes = probe.dram_need_of(every_home_in_dram)
+        homes = homes.param_homes_bytes + homes.optim_homes_bytes
+    config["zinf"]["dram_budget"] = least + homes // 2
+
+    class Forcing(AdaptiveController):
+        forced_at = None
+
+        def _plan_or_skip(self, engine, step, drifted, before_s):
+            if self.forced_at is not None:
+                return super()._plan_or_skip(engine, step, drifted, before_s)
+            self.forced_at = step
+            self.plans_made += 1
+            self._target = homes_of(every_home_in_dram)
+            return diff_moves(homes_of(engine.placement), self._target)
+
+    with caplog.at_level(logging.WARNING, logger="zinf.planner"), zinf.initialize(model, config) as engine:
+        controller = Forcing(url, engine.recorder, config["zinf"]["dram_budget"], ControllerSettings(
+            replan_every=REPLAN, first_plan_after=4, plan_lag_steps=0, trial_band=0))
+        engine.controller = controller
+        landed_at = None
+        for step in range(4 * REPLAN):
+            x, y = data.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
+            if controller.forced_at is not None and landed_at is None and controller._target is None:
+                landed_at = engine.global_steps
+        tiers = [t for p in engine.placement.values() for t in p.values() if t != "none"]
+        assert controller.forced_at is not None and landed_at is not None, "the forced plan never landed"
+        assert landed_at - controller.forced_at <= 3, (controller.forced_at, landed_at)
+        assert "cpu" in tiers and "nvme" in tiers, "part of the target landed, the refused part stayed on NVMe"
+        assert engine.dram_need.total_bytes <= config["zinf"]["dram_budget"]
+        assert controller.plans_made >= 2, "planning went on after the plan landed"
+    assert any("refused" in r.getMessage() and "lands without them" in r.getMessage() for r in caplog.records)

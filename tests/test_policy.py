@@ -317,3 +317,28 @@ def test_warm_band_keeps_nothing_out_when_the_plan_leaves_nothing_worth_a_byte_o
     d = decide(PlacementPolicy(PolicySettings(warm_band=0.15, min_gain_fraction=0)), current, candidate,
                saved, size, density, room=40 * MiB, horizon=10_000, move_s=0.0)
     assert d.adopt and d.placement == candidate and d.kept_by_warm_band == 0, d.reason
+
+
+def test_a_target_the_engine_would_refuse_loses_its_least_valuable_moves_into_dram_until_it_fits():
+    """The policy's room counts the homes' own bytes; the engine's count has more (working set,
+    homes sharing DRAM). A target over the engine's budget gives up the fewest, least valuable of
+    its moves into DRAM, and is judged as it will land."""
+    homes, saved, size, density = setup(6)
+    current = {h: "nvme" for h in homes}
+    candidate = {h: ("cpu" if i >= 2 else "nvme") for i, h in enumerate(homes)}  # s2..s5 in
+
+    def fits(placement) -> bool:  # the engine's count: 5 MiB of working set beyond the homes
+        return sum(size[h] for h, t in placement.items() if t == "cpu") + 5 * MiB <= 30 * MiB
+
+    d = PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0)).decide(
+        current, candidate, current_step_s=1.0, predict_step_s=linear_model(1.0, saved), density=density,
+        dram_bytes=size, dram_room_bytes=40 * MiB, migration_s=lambda m: 0.0, horizon_steps=100, fits=fits)
+    # 40 MiB of homes + 5 over 30: the two least valuable moves (s2, s3) are undone, no more
+    assert d.left_out == 2 and d.as_reason()["left_out"] == 2
+    assert [h for h, t in d.placement.items() if t == "cpu"] == homes[4:]
+    assert d.adopt and d.gain_s_per_step == pytest.approx(saved[homes[4]] + saved[homes[5]])
+    # a target that fits is left alone
+    same = PlacementPolicy(PolicySettings(warm_band=0, min_gain_fraction=0)).decide(
+        current, candidate, current_step_s=1.0, predict_step_s=linear_model(1.0, saved), density=density,
+        dram_bytes=size, dram_room_bytes=40 * MiB, migration_s=lambda m: 0.0, horizon_steps=100, fits=lambda p: True)
+    assert same.left_out == 0 and same.placement == candidate
