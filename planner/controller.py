@@ -1301,7 +1301,7 @@ class AdaptiveController:
         candidates = configured.with_overhead(workload.overhead_s)
         plan, sim = self._best_plan(engine, candidates, cost, trial_ok=trial_ok, move_s_per_byte=s_per_byte)
         plan_homes, plan_mode = plan.homes(), getattr(plan, "mode", None)
-        sims = {}  # the simulator of each placement the policy weighs, by its engine mode
+        sims = {}  # the simulators of the placements the policy weighs, by their buffers and overhead
 
         def sim_for(homes: dict) -> tuple[Simulator, Mode | None]:
             """The simulator of ``homes`` with the buffers the engine would grant them. The
@@ -1313,10 +1313,11 @@ class AdaptiveController:
             if homes == plan_homes:
                 return sim, plan_mode
             granted = self._granted(engine, candidates, _placement_of(homes))
-            mode = mode_of(granted)
-            if mode not in sims:
-                sims[mode] = Simulator(granted, cost, prefetch_bytes=granted.prefetch_bytes)
-            return sims[mode], mode
+            key = (granted.prefetch_bytes, granted.write_window_bytes, granted.pipeline_read,
+                   granted.updates_during_backward, float(granted.overhead_s))
+            if key not in sims:
+                sims[key] = Simulator(granted, cost, prefetch_bytes=granted.prefetch_bytes)
+            return sims[key], mode_of(granted)
         trial = bool(getattr(plan, "trial", False))
         # a plan in a mode that never ran, not tried: its calibration is borrowed, its error
         # unknown by up to trial_band of the step - it must clear that too (a reaction to a
