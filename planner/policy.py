@@ -174,6 +174,7 @@ class PlacementPolicy:
         rate_variance: float | Mapping[str, float] = 0.0,
         trial_band: float | None = None,
         fits: Callable[[Mapping[Home, str]], bool] | None = None,
+        warm_band: bool = True,
     ) -> Decision:
         """Judge ``candidate`` against ``current`` (both ``{home: tier}``).
 
@@ -200,13 +201,15 @@ class PlacementPolicy:
         have (the scaled prediction + the band of the step) pays back its migrations.
         ``fits(placement)``: whether the engine would accept ``placement`` under its DRAM budget,
         by its own count (working set, homes that share DRAM); a target it would not is trimmed
-        (:meth:`_fit`) before it is judged.
+        (:meth:`_fit`) before it is judged. ``warm_band=False``: no warm band for this candidate
+        (the caller found that the band would change the engine mode the plan was solved for).
         """
         s = self.settings
         self._rate_variance = _variance_spec(rate_variance)
         min_gain = s.min_gain_fraction if min_gain_fraction is None else min_gain_fraction
         trial = trial_band is not None
-        target = dict(candidate) if trial else self._warm_band(current, candidate, density, dram_bytes, dram_room_bytes)
+        banded = not trial and warm_band
+        target = self._warm_band(current, candidate, density, dram_bytes, dram_room_bytes) if banded else dict(candidate)
         kept = sum(1 for h, t in candidate.items() if target.get(h) != t)
         held = 0
         if s.hold_pingpong and not accesses_changed and self._history and not trial:

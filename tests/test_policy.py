@@ -342,3 +342,20 @@ def test_a_target_the_engine_would_refuse_loses_its_least_valuable_moves_into_dr
         current, candidate, current_step_s=1.0, predict_step_s=linear_model(1.0, saved), density=density,
         dram_bytes=size, dram_room_bytes=40 * MiB, migration_s=lambda m: 0.0, horizon_steps=100, fits=lambda p: True)
     assert same.left_out == 0 and same.placement == candidate
+
+
+def test_the_warm_band_can_be_turned_off_for_one_candidate():
+    """The controller judges a plan whole when what the band would keep changes the engine mode
+    the plan was solved for: the same near-threshold swap the band refuses is taken."""
+    homes, saved, size, density = setup(4)
+    density = {homes[0]: 1e-9, homes[1]: 1e-9, homes[2]: 0.030 / (10 * MiB), homes[3]: 0.031 / (10 * MiB)}
+    saved = {h: density[h] * size[h] for h in homes}
+    current = {homes[0]: "nvme", homes[1]: "nvme", homes[2]: "cpu", homes[3]: "nvme"}
+    candidate = {homes[0]: "nvme", homes[1]: "nvme", homes[2]: "nvme", homes[3]: "cpu"}
+    policy = PlacementPolicy(PolicySettings(warm_band=0.15, min_gain_fraction=0))
+    predict = linear_model(1.0, saved)
+    kwargs = dict(current_step_s=predict(current), predict_step_s=predict, density=density, dram_bytes=size,
+                  dram_room_bytes=10 * MiB, migration_s=lambda m: 0.0, horizon_steps=10_000)
+    assert policy.decide(current, candidate, **kwargs).moves == []
+    whole = policy.decide(current, candidate, warm_band=False, **kwargs)
+    assert whole.adopt and whole.placement == candidate and whole.kept_by_warm_band == 0
