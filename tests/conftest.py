@@ -43,7 +43,7 @@ def placement_config(kind: str, tmp_path, model=None) -> dict:
         # all on NVMe at the start, and the planner moves homes into DRAM while training runs:
         # every 4 steps, adopting any predicted gain (no margins, no reverts). No param prefetch
         # window: every NVMe param read is then a stall a DRAM home saves, so that plans are
-        # mostly adopted (with a window the model may keep all on NVMe).
+        # adopted and homes really migrate (with a window the model may keep all on NVMe).
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
         zero["stage3_prefetch_bucket_size"] = 0

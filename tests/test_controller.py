@@ -1323,7 +1323,6 @@ def test_moves_the_engine_refuses_are_asked_again_while_others_land_then_left_ou
     from planner.solver import homes_of
 
     model, data, config, url = _profiled_tiny_gpt(tmp_path)
-    every_home_in_dram = None
     with zinf.initialize(copy.deepcopy(model), config) as probe:  # what the engine's count says
         every_home_in_dram = {n: {"param": "cpu", "optim": "cpu" if t["optim"] != "none" else "none"}
                               for n, t in probe.placement.items()}

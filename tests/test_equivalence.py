@@ -131,12 +131,11 @@ def test_matches_plain_pytorch(case, placement, tmp_path):
     if placement == "dram":
         assert tiers <= {"cpu", "none"}
     elif placement == "adaptive":
-        # it planned while training ran, and an adopted plan moved homes into DRAM. Whether the tiny
-        # models' plans are adopted depends on this machine's timings (the frozen block's were
-        # refused in 1-2 of 5-6 runs: the model kept every home on NVMe behind the optimizer's
-        # buffers); adoption is tested in tests/test_controller.py, exactness here either way
+        # it planned while training ran, and an adopted plan moved homes into DRAM (the budget holds
+        # ~40% of the state: the rest stays on NVMe). The frozen block's plans were once refused
+        # in 1-2 of 5-6 runs: a trimmed plan was simulated with the untrimmed plan's buffers
         assert planned >= 2, planned
-        assert adopted == 0 or "cpu" in tiers, (adopted, tiers)
+        assert adopted >= 1 and "cpu" in tiers and "nvme" in tiers, (adopted, tiers)
     elif placement == "nvme":
         assert {p["param"] for p in place.values()} == {"nvme"}
     else:
