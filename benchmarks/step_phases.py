@@ -96,7 +96,7 @@ def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int,
                       f"read-ahead {ov.read_ahead_bytes >> 20} MiB, eager {'on' if ov.eager else 'off'}")
     out["homes"] = homes
     out["prefetch"] = ", ".join(f"{k} {(getattr(pf, k) - getattr(pf_before, k)) / len(rows):.1f}"
-                                for k in ("issued", "hits", "misses", "dropped", "kept"))
+                                for k in ("issued", "hinted", "hits", "misses", "dropped", "kept"))
     return out
 
 
@@ -115,8 +115,12 @@ def main() -> None:
                     help="run torch.profiler over each policy's last N steps and print its table of ops")
     ap.add_argument("--torch-profile-rows", type=int, default=40)
     ap.add_argument("--keep-db", type=Path, default=None, help="copy each run's profile database here")
+    ap.add_argument("--no-hints", action="store_true",
+                    help="zinf.prefetch_hints off: the MoE's routed experts are not read ahead on its word")
     args = ap.parse_args()
     pp.DEVICE = args.device
+    if args.no_hints:
+        pp.ZINF_EXTRA["prefetch_hints"] = False
     w = pp.make_workload(args.workload, False)
     args.path.mkdir(parents=True, exist_ok=True)
     budget = int(args.budget * w.state_bytes)

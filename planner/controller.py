@@ -473,12 +473,14 @@ class EngineView:
     sizing: DramSizing
     dram_budget_bytes: int | None
     prefetch_wanted_bytes: int
+    announced_reads: bool = False
 
     @classmethod
     def of(cls, engine) -> "EngineView":
         return cls(placement=engine.placement, overlap=engine.overlap, dram_need=engine.dram_need,
                    sizing=engine.sizing, dram_budget_bytes=engine.config.zinf.dram_budget,
-                   prefetch_wanted_bytes=engine.prefetch_wanted_bytes)
+                   prefetch_wanted_bytes=engine.prefetch_wanted_bytes,
+                   announced_reads=bool(getattr(engine, "announced_reads", False)))
 
     def _places(self, placement) -> list:
         current = [ShardPlacement(self.placement[sh.name]["param"], self.placement[sh.name]["optim"])
@@ -1253,6 +1255,8 @@ class AdaptiveController:
                                        long_halflife_steps=self._long_halflife_at(step),
                                        short_halflife_steps=self._short_halflife, until_step=step,
                                        measured_update=self._update_timing)
+            # (the engine knows whether the model announces its routed modules; the profile does not)
+            wl = replace(wl, announced_reads=bool(getattr(engine, "announced_reads", False)))
             return wl if self._io_cpu is None else wl.with_io_cpu(*self._io_cpu)
 
         workload = profile("long")

@@ -198,7 +198,9 @@ class _Trace:
     """The prefetcher's actions (:meth:`Simulator._prefetch`)."""
     forward: tuple[list, ...]
     """Columns of the forward records: shard, entry (-1: none), compute, read weight, fixed wait,
-    gradient bytes to NVMe (-1: none), how it is updated during backward (0, EAGER_NVME, EAGER_DRAM)."""
+    gradient bytes to NVMe (-1: none), how it is updated during backward (0, EAGER_NVME, EAGER_DRAM),
+    the reads the model announces at this record (``(entry, weight)`` pairs; see
+    :attr:`planner.workload.Workload.announced_reads`; the backward records' are empty)."""
     backward: tuple[list, ...]
     eager_chunks: list[int]
     """NVMe chunk groups updated when backward ends (eager)."""
@@ -392,8 +394,9 @@ class Simulator:
         b_eager = np.where(o_nvme[bwd] & one_param, EAGER_NVME, np.where(o_dram[bwd] & one_param & dram_eager, EAGER_DRAM, 0))
         fs, fc, fw, no_grad, no_eager = self._forward
         bs, bc, bw = self._backward
-        tr.forward = (fs, f_entry.tolist(), fc, fw, f_fixed.tolist(), no_grad, no_eager)
-        tr.backward = (bs, b_entry.tolist(), bc, bw, b_fixed.tolist(), b_grad.tolist(), b_eager.tolist())
+        f_entries = f_entry.tolist()
+        tr.forward = (fs, f_entries, fc, fw, f_fixed.tolist(), no_grad, no_eager, self._announced(tr, fwd, f_entries, fw))
+        tr.backward = (bs, b_entry.tolist(), bc, bw, b_fixed.tolist(), b_grad.tolist(), b_eager.tolist(), [()] * len(bs))
         tr.eager_chunks = np.flatnonzero(chunk & o_nvme & (uo > 0)).tolist()
         tr.dram_eager_chunks = np.flatnonzero(chunk & o_dram & (uo > 0)).tolist() if dram_eager else []
         # the optimizer phase: the updates not run during backward, in shard order; an NVMe group
@@ -405,6 +408,31 @@ class Simulator:
         tr.todo = (todo.tolist(), group.tolist(), (p_nvme[todo] & ~(group & master_file)).tolist())
         tr.todo_nvme = todo[group].tolist()
         return tr
+
+    def _announced(self, tr: _Trace, fwd, f_entries: list[int], fw: list[float]) -> list[tuple]:
+        """Per forward record, the reads the model starts there by announcing what it runs next
+        (``zinf.will_use``; the MoE layer names its routed experts): at the first record of a
+        run of records whose shards the forward seldom uses (below ``MIN_USE_RATE``: the routed
+        experts of one layer, in a row in the trace), the NVMe reads of that run the prefetcher
+        would miss, all queued at once. The window's room is not modelled for them."""
+        out: list[tuple] = [()] * len(f_entries)
+        if not self.workload.announced_reads or tr.window <= 0:
+            return out
+        seldom = (self._fwd_rate[fwd] < MIN_USE_RATE).tolist()
+        took, k, n = tr.took, 0, len(f_entries)
+        while k < n:
+            if not seldom[k]:
+                k += 1
+                continue
+            j, run = k, []
+            while j < n and seldom[j]:
+                e = f_entries[j]
+                if e >= 0 and took[e] == MISS:
+                    run.append((e, fw[j]))
+                j += 1
+            out[k] = tuple(run)
+            k = j
+        return out
 
     def _prefetch(self, tr: _Trace, e_shard: list[int], keep: list[int], ahead: list[bool], nf: int) -> None:
         """What the prefetcher does along a pass's trace: ``tr.issue_order`` (the entries whose
@@ -704,13 +732,17 @@ class Simulator:
             last = kind == "last"
             readback = kind != "first" and k > 1  # a gradient's sum so far comes back from its file
             prefetch(t, 0, tr.begin)  # begin_pass
+            announced_landing: dict[int, float] = {}  # entry -> when its announced read lands
             n_issued = tr.begin  # reads issued so far in the pass
             for is_bwd, records in ((False, tr.forward), (True, tr.backward)):
                 if is_bwd:
                     t_bwd_start = t
                     prefetch(t, n_issued, tr.at_backward)  # begin_backward
                     n_issued += tr.at_backward
-                for i, e, c, w, fixed, gb, eag in zip(*records):
+                for i, e, c, w, fixed, gb, eag, announced in zip(*records):
+                    # ---- the model announces the modules it runs next: their reads queue now
+                    for x, xw in announced:
+                        announced_landing[x] = read(t, e_bytes[x], xw)
                     # ---- materialise the param: an NVMe param takes its entry's read; the
                     # prefetcher issues the next ones before it waits (see _prefetch)
                     if e >= 0:
@@ -719,7 +751,12 @@ class Simulator:
                             n_issued += issued[e]
                         src = took[e]
                         if src != KEPT:  # (kept since its forward: no read)
-                            done = landing[src] if src >= 0 else read_urgent(t, e_bytes[e], w)
+                            if src >= 0:
+                                done = landing[src]
+                            elif e in announced_landing:
+                                done = announced_landing.pop(e)
+                            else:
+                                done = read_urgent(t, e_bytes[e], w)
                             wait = (done - t if done > t else 0.0) + fixed
                             stall += wait
                             t += wait

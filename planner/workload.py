@@ -149,6 +149,11 @@ class Workload:
     """Shards whose optimizer home is in DRAM are updated on the optimizer worker during the last
     backward (the engine does so with CUDA, ``zinf.overlap_optimizer``, clipping off and no fp16:
     the CPU is free while the GPU computes); needs no overlap buffer, so a budget never turns it off."""
+    announced_reads: bool = False
+    """The model announces the modules it runs next (``zinf.will_use``: the MoE layer names its
+    routed experts) and the engine reads them ahead on its word: a seldom-used module's forward
+    read starts when its run of such modules begins, not when it is called (a miss). Set by the
+    planner from the engine (``Engine.announced_reads``); the profile does not record it."""
     param_file_is_master: bool = False
     """fp32 params with both homes on NVMe in one store share the master file (no param rewrite)."""
     aliases_master: bool = False

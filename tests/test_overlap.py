@@ -306,3 +306,42 @@ def test_two_engines_side_by_side_drained_between_blocks_both_match_pytorch(tmp_
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_routed_experts_the_model_announces_are_read_ahead_instead_of_missed(tmp_path):
+    """The MoE layer calls ``zinf.will_use`` with the experts its router picked. Under skewed
+    routing most of them are seldom used and never read ahead along the trace: with the hint
+    their reads start at routing time (hits), without it (``zinf.prefetch_hints: false``) each
+    is a miss. Training matches plain PyTorch either way."""
+    from zinf.models import build_model
+    from zinf.models.data import TokenBatches, markov_tokens
+
+    torch.manual_seed(0)
+    model, cfg = build_model("moe", "tiny", router="zipf", n_experts=16)
+    # one sequence of 16 tokens a step over 16 experts: most experts run in few steps
+    data = TokenBatches(markov_tokens(cfg.vocab_size, 20_000, seed=5), 1, 16, seed=5)
+    ref_losses, ref_params = train_plain(copy.deepcopy(model), data, 1, 0.0)
+    stats = {}
+    for hints in (True, False):
+        config = placement_config("nvme", tmp_path / str(hints), model)
+        config["zinf"]["prefetch_hints"] = hints
+        losses, params, pf = train_zinf(copy.deepcopy(model), data, 1, 0.0, config,
+                                        collect=lambda e: (e.state_dict(), e.prefetch_stats))
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, hints
+        for name, ref_p in ref_params.items():
+            assert (params[name] - ref_p).abs().max().item() <= TOL, (hints, name)
+        stats[hints] = pf
+    on, off = stats[True], stats[False]
+    assert off.hinted == 0 and off.misses > 0, off
+    assert on.hinted > 0, on
+    assert on.misses < off.misses / 2, (on, off)
+
+
+def test_will_use_outside_an_engine_and_after_close_does_nothing(tmp_path):
+    from zinf.models import build_model
+
+    model, _ = build_model("moe", "tiny", router="zipf", n_experts=4)
+    zinf.will_use(model.modules())  # no engine wraps it: nothing happens
+    engine = zinf.initialize(model, dict(placement_config("nvme", tmp_path, model), optimizer=OPT))
+    engine.close()
+    zinf.will_use(model.modules())  # closed: its modules are no longer announced to it

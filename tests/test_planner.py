@@ -363,6 +363,32 @@ def test_a_shard_the_forward_seldom_uses_is_read_when_needed_and_its_backward_re
     assert 0.3 < MIN_USE_RATE <= 0.6
 
 
+def test_reads_the_model_announces_start_when_its_run_of_seldom_used_shards_begins():
+    """With ``announced_reads`` (the MoE layer calls zinf.will_use with its routed experts), the
+    forward reads of a run of seldom-used NVMe shards (four experts, each used in 30% of the
+    passes, between two DRAM shards computing 0.1 s) queue at once when the run begins, side by
+    side on two disk servers, instead of one miss after another: the stall falls, and its floor is
+    the first read (nothing announced it earlier). A dense workload has no seldom-used shard: the
+    same prediction either way."""
+    pinned = {"numel": 1 << 20, "fwd_accesses_per_step": 1.0, "bwd_accesses_per_step": 1.0, "pin_param": "cpu",
+              "pin_optim": "cpu", "param_tier": "cpu", "optim_tier": "cpu"}
+    expert = {"numel": 1 << 18, "fwd_accesses_per_step": 0.3, "bwd_accesses_per_step": 0.3,
+              "compute_weight": 0.01, "pin_optim": "cpu", "optim_tier": "cpu"}
+    rows = [pinned, *(dict(expert) for _ in range(4)), dict(pinned)]
+    wl = Workload.from_rows(rows, compute_fwd_s=0.1, update_s_per_elem=1e-9,
+                            **{**LINEAR, "prefetch_bytes": 8 << 20, "write_window_bytes": None, "disk_servers": 2})
+    nvme = wl.all_nvme_placement()
+    missed = simulate(wl, nvme, CM)
+    announced = simulate(replace(wl, announced_reads=True), nvme, CM)
+    read_s = READ_LAT * 0.3 + 0.3 * (4 << 18) / READ_BPS  # one expert's expected read
+    assert missed.forward_s - 0.1 == pytest.approx(4 * read_s, rel=0.05), "four misses, one after another"
+    assert read_s * 0.99 <= announced.forward_s - 0.1 < 0.6 * (missed.forward_s - 0.1), (announced, missed)
+    dense = random_workload(3, n=20, uses_from=(1.0, 2.0), compute_fwd_s=0.2, disk_servers=2)
+    plain = simulate(dense, dense.all_nvme_placement(), CM, prefetch_bytes=4 << 20)
+    told = simulate(replace(dense, announced_reads=True), dense.all_nvme_placement(), CM, prefetch_bytes=4 << 20)
+    assert told.step_s == plain.step_s
+
+
 def test_a_miss_goes_ahead_of_the_prefetches_queued_not_of_the_read_running():
     """The store serves a read the training thread waits for (a miss) before the requests queued
     and not started, as zinf/storage/requests.py does: not behind the whole prefetch queue. Ten

@@ -153,3 +153,44 @@ def test_a_shard_in_use_is_not_read_again_for_its_next_use_until_it_is_freed():
     pf.take(2)
     assert started.count(0) == 2, "once freed, its backward read goes out at the next fetch"
     assert 1 not in started[3:] and 2 not in started[3:]
+
+
+def test_hinted_shards_are_read_first_within_the_window_and_survive_the_trace_moving_past_them():
+    """Recorded forward 0..5 (each 10 bytes, window 30). A hint for 5 and 4 (the experts a router
+    picked) reads them before the trace's guesses, in the hint's order, as room frees up; a hinted
+    read is not dropped when the trace position passes its place, and its use is a hit."""
+    pf, started, discarded = _prefetcher(window=30)
+    pf.begin_pass()
+    assert started == [0, 1, 2]
+    started.clear()
+    pf.hint([5, 4, 3])
+    assert started == [], "the window is full: the hint waits for room, nothing is dropped for it"
+    pf.take(0)  # frees 10 bytes: the first hinted shard goes before the trace's next guess (3)
+    assert started == [5], started
+    pf.take(1)
+    assert started == [5, 4]
+    pf.take(2)
+    assert started == [5, 4, 3], "3 was hinted too: read once"
+    assert pf.stats.hinted == 3
+    pf.take(3)
+    hits = pf.stats.hits
+    pf.take(5)  # used before 4: the trace position jumps past 4's place ...
+    entry = pf.take(4)  # ... and 4's hinted read is still there
+    assert entry is not None and pf.stats.hits == hits + 2 and pf.stats.misses == 0
+    assert not discarded
+
+
+def test_hints_outside_a_forward_or_while_recording_read_nothing():
+    start, started = _reader()
+    pf = Prefetcher(start, lambda shard: 10, lambda f: None, window_bytes=100)
+    pf.hint([3])  # recording the trace
+    pf.take(0)
+    pf.begin_backward()
+    pf.take(0)
+    pf.end_recording()
+    pf.begin_pass()
+    pf.take(0)
+    pf.begin_backward()
+    started.clear()
+    pf.hint([1, 2])  # backward: it follows this pass's own forward
+    assert started == [] and pf.stats.hinted == 0

@@ -6,6 +6,7 @@ Public contract (docs/architecture.md)::
     loss = engine(x, y); engine.backward(loss); engine.step()
     engine.save_checkpoint(dir); engine.load_checkpoint(dir)
     engine.state_dict(); engine.placement; engine.close()
+    zinf.will_use(modules)                    # in a model's forward: these run next (routed experts)
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from zinf.config import Config, load_config
 from zinf.engine import Engine
 from zinf.errors import ZinfError
 from zinf.events import Recorder
+from zinf.hints import will_use
 from zinf.placement import ChainedController, PlacementController
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "Engine", "Config", "load_config", "errors", "ZinfError", "__version__"]
+__all__ = ["initialize", "will_use", "Engine", "Config", "load_config", "errors", "ZinfError", "__version__"]
 
 
 def initialize(model, config: Config | dict | str | os.PathLike | None = None, *, recorder: Recorder | None = None,

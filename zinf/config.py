@@ -740,6 +740,11 @@ class ZinfConfig(_Section):
     optimizer phase (saves 8 bytes of NVMe traffic a parameter, and overlaps the update with
     backward). With clipping on, the global norm needs every gradient first, so this is off."""
 
+    prefetch_hints: bool = True
+    """Read ahead the parameters of the modules the model announces with ``zinf.will_use(modules)``
+    (the MoE layer announces the experts its router picked), before the reads the recorded trace
+    only guesses. False: ignore the announcements (e.g. to measure what they buy)."""
+
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     """Placement policy."""
 

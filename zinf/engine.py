@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map_only
 
 from zinf import events as ev
+from zinf import hints
 from zinf.config import Config, load_config
 from zinf.errors import BudgetError, ConfigError, CorruptShardError, ModelError
 from zinf.hardware import describe, rss_bytes
@@ -260,6 +261,7 @@ class Engine:
             self._close_stores()
             raise
         self._hooks = self._install_hooks(model)
+        hints.register(self, model)
         self._stats = _Traffic()
         self._losses: list[float] = []
         if self.recorder.enabled:
@@ -791,6 +793,20 @@ class Engine:
             st.param_state = ParamState.PREFETCHED
             self._prefetched.add(st)
             room -= nbytes
+
+    def will_use(self, modules: Iterable[nn.Module]) -> None:
+        """The model is about to run ``modules`` (and their submodules), in this order, in this
+        forward: read their parameter shards on NVMe ahead now (``zinf.will_use``; ignored with
+        ``zinf.prefetch_hints`` off, while the trace is recorded, and outside a forward)."""
+        if self._closed or not self.config.zinf.prefetch_hints:
+            return
+        shards: dict[int, None] = {}  # ordered, distinct
+        for module in modules:
+            for p in module.parameters():
+                member = self._member_of.get(id(p))
+                if member is not None:
+                    shards[member[0].shard.index] = None
+        self._prefetcher.hint(list(shards))
 
     def _use_prefetched(self, st: ShardState, phase: str) -> None:
         """(CUDA) First use of a shard uploaded ahead: the compute stream waits for its upload
@@ -1800,6 +1816,12 @@ class Engine:
         return replace(self._prefetcher.stats)
 
     @property
+    def announced_reads(self) -> bool:
+        """Whether the model has announced modules it runs next (``zinf.will_use``) and reads
+        were started on its word: the planner's simulator then models them (not as misses)."""
+        return self._prefetcher.stats.hinted > 0
+
+    @property
     def placement(self) -> dict[str, dict[str, str]]:
         """{shard name: {"param": tier, "optim": tier}}."""
         return {st.name: st.place.as_dict() for st in self.states}
@@ -1922,6 +1944,7 @@ class Engine:
         for h in getattr(self, "_hooks", []):
             h.remove()
         self._hooks = []
+        hints.unregister(self.module)
         if self.recorder.enabled:
             self._emit_io()
             self.recorder.emit(ev.RunFinished(status, self.global_steps, time.time()))

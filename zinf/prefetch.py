@@ -38,6 +38,15 @@ recorded trace says (it holds the experts of the pass it was recorded in). So wh
 (:meth:`Prefetcher.begin_backward`), the rest of the pass follows this pass's own forward fetches,
 reversed, instead of the recorded trace; the next pass returns to the recorded one.
 
+A model that knows which modules it runs next can say so (``zinf.will_use(modules)``; the MoE
+layer does, with the experts its router just picked): :meth:`Prefetcher.hint` reads their shards
+ahead at once, in the window's free room and before any read the trace only guesses, and such a
+read stays in flight until its shard is used or the pass's forward ends, whatever the trace's
+position (the trace does not know the order routed experts run in). Under skewed routing most
+experts a pass uses are seldom-used ones, which the trace never reads ahead: without the hint each
+is a miss the training thread waits for, one after another; with it their reads overlap each other
+and the compute of the experts before them.
+
 A pass never looks past its own end: the next pass may start after an optimizer step that
 rewrites the parameters, and a read issued before that write would return the old values. The
 engine starts the next pass (:meth:`Prefetcher.begin_pass`) when its data is final.
@@ -67,6 +76,7 @@ class InFlight:
     nbytes: int
     issued_at_s: float
     done_at_s: list[float] = field(default_factory=list)  # set by a callback when it lands
+    hinted: bool = False  # asked for by a hint: not dropped when the trace's position passes it
 
 
 @dataclass
@@ -85,6 +95,9 @@ class PrefetchStats:
     """Releases that kept the shard materialised because it was needed again soon."""
     max_window_bytes: int = 0
     """The most bytes in flight and kept at once (never above the window)."""
+    hinted: int = 0
+    """Reads asked for because the model announced the module (:meth:`Prefetcher.hint`), of the
+    ``issued``."""
 
 
 class Prefetcher:
@@ -134,6 +147,7 @@ class Prefetcher:
         self._forward_len: int | None = None  # entries of the recorded trace that are forward fetches
         self.use_rate: dict[int, float] = {}  # forward shard -> EWMA over passes of "this pass used it"
         self._walk: list[int] | None = None  # see _walk_positions; None: to work out again
+        self._hints: list[int] = []  # hinted shards not read yet (no room in the window then), in order
 
     @property
     def enabled(self) -> bool:
@@ -201,6 +215,7 @@ class Prefetcher:
             self.trace, self._positions, self._bytes_before = self._recorded  # back from a backward's own
             self._walk = None
         self._forward_uses = []
+        self._hints = []
         self.pos = 0
         self._issue()
 
@@ -210,6 +225,7 @@ class Prefetcher:
         dropped; the others keep going, at their new place. A pass with activation recompute must
         not call this: its backward also fetches for the recomputed forward."""
         uses, self._forward_uses = self._forward_uses, None
+        self._hints = []  # (announced for this forward: backward follows the forward's own fetches)
         if self.recording:
             self._forward_len = len(self.trace)
             return
@@ -224,6 +240,18 @@ class Prefetcher:
             self._drop(shard)
         for shard, entry in self.in_flight.items():
             entry.position = self._positions[shard][0]
+            entry.hinted = False  # placed on backward's own trace now
+        self._issue()
+
+    def hint(self, shards: list[int]) -> None:
+        """The model will use ``shards`` next in this pass's forward, in this order (the experts a
+        router just picked): read them ahead now, before the reads the trace only guesses, as far
+        as the window has room; the rest as room frees up. A shard in flight, kept, in use, or
+        not read from disk is skipped."""
+        if self.recording or not self.enabled or self._forward_uses is None:
+            return
+        pending = set(self._hints)
+        self._hints += [s for s in dict.fromkeys(shards) if s not in pending]
         self._issue()
 
     def take(self, shard: int) -> InFlight | None:
@@ -331,10 +359,39 @@ class Prefetcher:
         self.in_flight.clear()
         self.in_flight_bytes = 0
         self._claimed.clear()
+        self._hints = []
 
     def _drop_passed(self) -> None:
-        for shard in [s for s, e in self.in_flight.items() if e.position < self.pos - 1]:
+        for shard in [s for s, e in self.in_flight.items() if e.position < self.pos - 1 and not e.hinted]:
             self._drop(shard)
+
+    def _issue_hinted(self, taking: int | None) -> bool:
+        """Start the reads of the hinted shards that fit the window, in their order; False when
+        one did not fit (the trace's guesses wait for it)."""
+        needs_read, busy = self.needs_read, self.busy
+        while self._hints:
+            shard = self._hints[0]
+            if (shard == taking or shard in self.in_flight or shard in self.kept or shard in self._claimed
+                    or (needs_read is not None and not needs_read(shard)) or (busy is not None and busy(shard))):
+                self._hints.pop(0)
+                continue
+            nbytes = self.nbytes_of(shard)
+            if self._window_used() + nbytes > self.window_bytes:
+                return False
+            self._hints.pop(0)
+            positions = self._positions.get(shard, ())
+            k = bisect.bisect_left(positions, self.pos)
+            self._start(shard, positions[k] if k < len(positions) else len(self.trace), nbytes, hinted=True)
+        return True
+
+    def _start(self, shard: int, position: int, nbytes: int, hinted: bool = False) -> None:
+        entry = InFlight(self.start_read(shard), position, nbytes, time.perf_counter(), hinted=hinted)
+        entry.future.add_done_callback(lambda f, e=entry: e.done_at_s.append(time.perf_counter()))
+        self.in_flight[shard] = entry
+        self.in_flight_bytes += nbytes
+        self.stats.issued += 1
+        self.stats.hinted += hinted
+        self._note_window()
 
     def _drop(self, shard: int) -> None:
         """Give up ``shard``'s read in flight: it leaves the window, its buffer goes back."""
@@ -348,6 +405,8 @@ class Prefetcher:
         fetched now, about to be in use (a read for its next use waits until it is freed)."""
         if self.recording or not self.enabled:
             return
+        if self._hints and not self._issue_hinted(taking):
+            return  # the window is full: what the model announced goes first as room frees up
         ahead_bytes = 0  # bytes of the trace ahead of pos covered so far, in flight or not
         # Runs at every fetch, along the trace ahead: the per-shard tests are kept cheap (locals,
         # the trace's own byte counts), the engine's callbacks asked last.
@@ -367,10 +426,5 @@ class Prefetcher:
                 continue
             if self._window_used() + nbytes > self.window_bytes or ahead_bytes + nbytes > 2 * self.window_bytes:
                 return
-            entry = InFlight(self.start_read(shard), j, nbytes, time.perf_counter())
-            entry.future.add_done_callback(lambda f, e=entry: e.done_at_s.append(time.perf_counter()))
-            self.in_flight[shard] = entry
-            self.in_flight_bytes += nbytes
+            self._start(shard, j, nbytes)
             ahead_bytes += nbytes
-            self.stats.issued += 1
-            self._note_window()

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from zinf.errors import ConfigError, ModelError
+from zinf.hints import will_use
 from zinf.models.gpt import MLP, CausalSelfAttention, GPTConfig, count_params, init_weights
 
 
@@ -239,6 +240,8 @@ class MoELayer(nn.Module):
             weights = flat.new_full(chosen.shape, 1.0 / self.top_k)
         # Tokens per expert, on the host: decides which experts run at all (a sync on CUDA).
         counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts).tolist()
+        # the experts this pass runs, known from here on: zinf starts reading those on NVMe now
+        will_use(expert for expert, n in zip(self.experts, counts) if n)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             if counts[e] == 0:
