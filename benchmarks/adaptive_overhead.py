@@ -10,7 +10,9 @@ One command::
         [--rounds 2] [--warmup 24] [--steps 32] [--replan-every 8] [--device cpu|cuda]
 
 Rounds alternate the order of the four. Prints each variant's median step per round and its
-ratio to the static one of the same round. An adaptive run that adopts a plan no longer runs
+ratio to the static one of the same round, and the CPU seconds a step of the whole process and of
+the training thread: on a shared machine CPU time shows what the wall clock's noise hides (every
+CPU second another thread spends is one the training's compute may wait for on 2 cores). An adaptive run that adopts a plan no longer runs
 ``max_in_cpu``'s placement: its DRAM homes are printed beside it.
 """
 
@@ -69,6 +71,7 @@ def main() -> None:
     print(f"{w.about}; budget {args.budget:.0%} = {budget / 2**20:.0f} MiB; max_in_cpu {max_in_cpu:,}; "
           f"{args.warmup} + {args.steps} steps, side by side in blocks of 8; device {args.device}")
     medians: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}  # (process, training thread) s/step
     try:
         for r in range(args.rounds):
             cfgs = configs(w, swap, budget, max_in_cpu, args.replan_every)
@@ -81,9 +84,12 @@ def main() -> None:
                 if run.status != "ok":
                     raise SystemExit(f"{name}: {run.status} ({run.note})")
                 medians[name].append(statistics.median(run.step_s))
+                cpu[name].append((statistics.median(run.cpu_s), statistics.median(run.train_cpu_s)))
             static = medians["static"][-1]
             for name in VARIANTS:
+                proc, train = cpu[name][-1]
                 print(f"round {r + 1}  {name:28s} {medians[name][-1]:.3f} s  {medians[name][-1] / static:.3f}x static  "
+                      f"CPU {proc:.3f} s (training thread {train:.3f}, others {proc - train:.3f})  "
                       f"DRAM homes {runs[name].dram_homes}", flush=True)
     finally:
         shutil.rmtree(swap, ignore_errors=True)
@@ -91,6 +97,9 @@ def main() -> None:
     for name in VARIANTS:
         ratios = [m / s for m, s in zip(medians[name], medians["static"])]
         print(f"  {name:28s} " + "  ".join(f"{m:.3f} ({q:.2f}x)" for m, q in zip(medians[name], ratios)))
+    print("\nmedian CPU seconds a step (the whole process; beside it the training thread's), and the ratio to static's")
+    for name in VARIANTS:
+        print(f"  {name:28s} " + "  ".join(f"{p:.3f}/{t:.3f} ({p / s[0]:.2f}x)" for (p, t), s in zip(cpu[name], cpu["static"])))
 
 
 if __name__ == "__main__":

@@ -163,6 +163,10 @@ def make_workload(name: str, quick: bool) -> Workload:
 
 
 # ------------------------------------------------------------------ configs and the budget check
+ZINF_EXTRA: dict = {}
+"""Settings of the ``zinf`` section every policy gets (``--no-hints``: ``prefetch_hints`` off)."""
+
+
 def base_config(w: Workload, swap: Path, budget_bytes: int) -> dict:
     """Params and optimizer state on NVMe under ``budget_bytes`` of DRAM (the ``nvme`` policy)."""
     return {
@@ -177,7 +181,7 @@ def base_config(w: Workload, swap: Path, budget_bytes: int) -> dict:
             "stage3_prefetch_bucket_size": w.n_params // 4,
         },
         "aio": dict(AIO),
-        "zinf": {"dram_budget": budget_bytes, "device": DEVICE, **w.zinf_extra},
+        "zinf": {"dram_budget": budget_bytes, "device": DEVICE, **w.zinf_extra, **ZINF_EXTRA},
     }
 
 
@@ -273,6 +277,11 @@ class Run:
     not_solved: int = 0  # re-plans in the measured steps not solved again (nothing had changed)
     trials: list[bool] = field(default_factory=list)  # trials of untried engine modes (whole run): kept or not
     sampled: int = 0  # measured steps during which the profiler sampled its shard detail (1 step in k > 1)
+    # CPU seconds of each measured step: the whole process's, and the training thread's alone
+    # (the rest: OpenMP workers, NVMe request threads, optimizer worker, profiler writer)
+    cpu_s: list[float] = field(default_factory=list)
+    measured_from: int = 0  # the first measured step (the warm-up's length)
+    train_cpu_s: list[float] = field(default_factory=list)
 
 
 def dram_homes(engine) -> str:
@@ -301,7 +310,7 @@ class Trainer:
         except BudgetError as e:
             self.run = Run("refused", str(e).split(";")[0])
             return
-        self.run = Run()
+        self.run = Run(measured_from=warmup)
         if need_controller and getattr(self.engine, "controller", None) is None:
             self.run = Run("unavailable", "engine has no placement controller (engine.controller)")
             self.engine.close()
@@ -329,13 +338,14 @@ class Trainer:
                 run.note = f"set_routing(seed={new.routing_seed}) before step {step}"
             traffic = engine.traffic_total
             before_b = traffic.read["nvme"] + traffic.written["nvme"]
-            t0 = time.perf_counter()
+            t0, cpu0, train0 = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(w.grad_accum):
                 x, y = w.data.get(self.micro)
                 self.micro += 1
                 engine.backward(engine(x, y))
                 engine.step()
             dt = time.perf_counter() - t0
+            cpu_s, train_cpu_s = time.process_time() - cpu0, time.thread_time() - train0
             moved_b = engine.traffic_total.read["nvme"] + engine.traffic_total.written["nvme"] - before_b
             run.per_step.append((step, dt, getattr(engine, "plan_version", 0)))
             cold, self.cold = self.cold, False
@@ -345,6 +355,8 @@ class Trainer:
                 if not cold:
                     run.step_s.append(dt)
                     run.nvme_bytes.append(moved_b)
+                    run.cpu_s.append(cpu_s)
+                    run.train_cpu_s.append(train_cpu_s)
                 if self.need_controller:  # plans and moves count in every step; predictions in measured ones
                     track_controller(engine, dt, run, None if cold else self.prediction, self.versions_before)
                     run.sampled += not cold and getattr(engine.controller, "detail_every", 1) > 1
@@ -618,8 +630,36 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
           "kept only if measured faster, over the whole run)")
 
 
-def headline(name: str, cells: dict[float, dict[str, Cell]] | None, budget: float | None, target: float) -> str:
-    """'<workload> at <budget>: adaptive is X.XXx the speed of the best static (target >= T)'."""
+def paired_speed(adaptive: Cell, static: Cell, block: int) -> tuple[float, float, float, int] | None:
+    """Best static's step over adaptive's, block by block: side by side, the policies' blocks of
+    ``block`` steps follow each other within seconds, so a slow phase of a shared machine falls
+    on both of a pair, while the medians over whole runs still carry it (the same static
+    placement measured 0.56-0.63 s in three runs a minute apart on the 2-core VM). Returns the
+    median over (round, block) pairs of static's block median / adaptive's, its quartiles and the
+    number of pairs; None when the runs were not side by side."""
+    if block <= 0:
+        return None
+    ratios = []
+    for a_run, s_run in zip(adaptive.runs, static.runs):
+        def blocks(run: Run) -> dict[int, list[float]]:
+            out: dict[int, list[float]] = {}
+            for step, sec, _ in run.per_step:
+                if step in run.cold_steps or step < run.measured_from:
+                    continue
+                out.setdefault(step // block, []).append(sec)
+            return out
+        a_blocks, s_blocks = blocks(a_run), blocks(s_run)
+        ratios += [statistics.median(s_blocks[k]) / statistics.median(a_blocks[k]) for k in a_blocks if k in s_blocks]
+    if len(ratios) < 2:
+        return None
+    q1, med, q3 = statistics.quantiles(ratios, n=4)
+    return med, q1, q3, len(ratios)
+
+
+def headline(name: str, cells: dict[float, dict[str, Cell]] | None, budget: float | None, target: float,
+             block: int = 0) -> str:
+    """'<workload> at <budget>: adaptive is X.XXx the speed of the best static (target >= T)', and
+    the same ratio paired block by block where the policies ran side by side (:func:`paired_speed`)."""
     if cells is None:
         return f"{name}: not measured (workload not selected)"
     budgets = [budget] if budget is not None else list(cells)
@@ -639,8 +679,11 @@ def headline(name: str, cells: dict[float, dict[str, Cell]] | None, budget: floa
         else:
             speed = best[1] / adaptive.step_s
             verdict = "meets" if speed >= target else "MISSES"
+            paired = paired_speed(adaptive, cells[b][best[0]], block)
+            also = (f"; paired block by block {paired[0]:.2f}x (quartiles {paired[1]:.2f}-{paired[2]:.2f}, {paired[3]} pairs)"
+                    if paired else "")
             out.append(f"{name} at {b:.0%}: adaptive {adaptive.step_s:.3f} s vs best static {best[0]} {best[1]:.3f} s "
-                       f"-> {speed:.2f}x the speed (target >= {target}x: {verdict})")
+                       f"-> {speed:.2f}x the speed (target >= {target}x: {verdict}){also}")
     return "\n".join(out)
 
 
@@ -786,6 +829,9 @@ def main() -> None:
                     help="aio.thread_count of every policy (default 2, sized for the 2-core VM)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the whole run (seconds; Python's default 0.005)")
+    ap.add_argument("--no-hints", action="store_true",
+                    help="zinf.prefetch_hints off for every policy: the MoE's routed experts are not read "
+                         "ahead on its word (zinf.will_use), only along the recorded trace")
     ap.add_argument("--aio-queue-depth", type=int, default=AIO["queue_depth"], help="aio.queue_depth of every policy")
     args = ap.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -804,6 +850,8 @@ def main() -> None:
     if args.aio_threads < 1 or args.aio_queue_depth < 1:
         raise SystemExit("--aio-threads and --aio-queue-depth must be >= 1")
     AIO.update(thread_count=args.aio_threads, queue_depth=args.aio_queue_depth)
+    if args.no_hints:
+        ZINF_EXTRA["prefetch_hints"] = False
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     if args.log_plans:
@@ -823,6 +871,7 @@ def main() -> None:
           + f"adaptive plans {plan_lag_text(args.plan_lag)}; every policy's NVMe I/O: {AIO['thread_count']} threads, "
           f"queue depth {AIO['queue_depth']}, {AIO['block_size'] >> 10} KiB blocks; "
           f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms; "
+          f"routed experts read ahead on the model's word (zinf.prefetch_hints) {'off' if args.no_hints else 'on'}; "
           f"load average {load_average()} (other work on the machine skews every number)")
     swap = args.path / f"planner-policies-{os.getpid()}"
     results: dict[str, dict[float, dict[str, Cell]]] = {}
@@ -850,8 +899,8 @@ def main() -> None:
 
     print(f"\nload average at the end {load_average()} (1, 5, 15 min)")
     print("\nheadline (speed = best static step time / adaptive step time; > 1 = adaptive faster)")
-    print(headline("skewed MoE", results.get("moe"), MOE_HEADLINE_BUDGET, MOE_TARGET_SPEEDUP))
-    print(headline("dense GPT", results.get("gpt"), None, GPT_TARGET_SPEEDUP))
+    print(headline("skewed MoE", results.get("moe"), MOE_HEADLINE_BUDGET, MOE_TARGET_SPEEDUP, args.block))
+    print(headline("dense GPT", results.get("gpt"), None, GPT_TARGET_SPEEDUP, args.block))
     for line in drift_verdicts:
         print(line)
     if args.json:
