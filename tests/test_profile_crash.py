@@ -75,9 +75,13 @@ def read_only(path: Path) -> sqlite3.Connection:
 def snapshot(path: Path, run_id: int = 1) -> tuple[dict[int, tuple], dict[tuple[int, int], tuple]]:
     """One run's steps rows by step and shard_steps rows by (step, shard_id), as stored now."""
     with read_only(path) as c:
+        # one read transaction: both tables as of one commit (two bare SELECTs can straddle a
+        # flush and see shard rows of steps whose steps rows they missed)
+        c.execute("BEGIN")
         steps = {r[0]: r for r in c.execute("SELECT step, * FROM steps WHERE run_id = ? ORDER BY id", (run_id,))}
         shard_steps = {(r[0], r[1]): r for r in c.execute(
             "SELECT step, shard_id, * FROM shard_steps WHERE run_id = ? ORDER BY id", (run_id,))}
+        c.rollback()
     return steps, shard_steps
 
 
