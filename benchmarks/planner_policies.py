@@ -844,7 +844,12 @@ def main() -> None:
         raise SystemExit("--steps and --rounds must be >= 1, --warmup and --block >= 0")
     if args.drift_at is not None and args.drift_at < 1:
         raise SystemExit("--drift-at must be >= 1 (a step with steps before it)")
-    torch.set_num_threads(os.cpu_count() or 1)
+    # every core to torch's intra-op threads, unless OMP_NUM_THREADS says otherwise: with a GPU
+    # computing, the GPU runs' 8 leave cores to zinf's request threads, optimizer worker and
+    # planning process (16 of 16 here made every policy's CPU side contend with its own spinning
+    # OpenMP team: the H200's adaptive MoE at 30% measured 0.21-0.22 s here, 0.146 s in step_phases.py)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
     global DEVICE
     DEVICE = args.device
     if args.aio_threads < 1 or args.aio_queue_depth < 1:
@@ -870,7 +875,7 @@ def main() -> None:
           + (f"the policies side by side in blocks of {args.block} steps; " if args.block else "one run after another; ")
           + f"adaptive plans {plan_lag_text(args.plan_lag)}; every policy's NVMe I/O: {AIO['thread_count']} threads, "
           f"queue depth {AIO['queue_depth']}, {AIO['block_size'] >> 10} KiB blocks; "
-          f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms; "
+          f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms; torch threads {torch.get_num_threads()}; "
           f"routed experts read ahead on the model's word (zinf.prefetch_hints) {'off' if args.no_hints else 'on'}; "
           f"load average {load_average()} (other work on the machine skews every number)")
     swap = args.path / f"planner-policies-{os.getpid()}"
