@@ -338,10 +338,19 @@ def test_routed_experts_the_model_announces_are_read_ahead_instead_of_missed(tmp
 
 
 def test_will_use_outside_an_engine_and_after_close_does_nothing(tmp_path):
+    """No engine: nothing happens. An open engine gets its own modules' announcements and no other
+    model's; once closed it gets none."""
+    from zinf import hints
     from zinf.models import build_model
 
     model, _ = build_model("moe", "tiny", router="zipf", n_experts=4)
+    other, _ = build_model("moe", "tiny", router="zipf", n_experts=4)
+    probe = model.blocks[0].moe.experts[0]
     zinf.will_use(model.modules())  # no engine wraps it: nothing happens
+    assert probe not in hints._owners
     engine = zinf.initialize(model, dict(placement_config("nvme", tmp_path, model), optimizer=OPT))
+    assert hints._owners[probe]() is engine
+    assert other.blocks[0].moe.experts[0] not in hints._owners
     engine.close()
-    zinf.will_use(model.modules())  # closed: its modules are no longer announced to it
+    assert probe not in hints._owners
+    zinf.will_use(model.modules())  # closed: announced to no one

@@ -29,10 +29,13 @@ def register(engine, model: nn.Module) -> None:
         _owners[module] = ref
 
 
-def unregister(model: nn.Module) -> None:
-    """The engine wrapping ``model`` is closed: hints about its modules go nowhere."""
+def unregister(engine, model: nn.Module) -> None:
+    """``engine`` is closed: hints about its modules go nowhere (unless another engine wraps them
+    since)."""
     for module in model.modules():
-        _owners.pop(module, None)
+        ref = _owners.get(module)
+        if ref is not None and ref() in (engine, None):
+            del _owners[module]
 
 
 def will_use(modules: Iterable[nn.Module]) -> None:
