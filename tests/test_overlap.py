@@ -339,7 +339,8 @@ def test_routed_experts_the_model_announces_are_read_ahead_instead_of_missed(tmp
 
 def test_will_use_outside_an_engine_and_after_close_does_nothing(tmp_path):
     """No engine: nothing happens. An open engine gets its own modules' announcements and no other
-    model's; once closed it gets none."""
+    model's; once closed it gets none. A second engine on a model an open one wraps is refused
+    with one line (it would re-home parameters the first engine freed: a segfault)."""
     from zinf import hints
     from zinf.models import build_model
 
@@ -351,6 +352,8 @@ def test_will_use_outside_an_engine_and_after_close_does_nothing(tmp_path):
     engine = zinf.initialize(model, dict(placement_config("nvme", tmp_path, model), optimizer=OPT))
     assert hints._owners[probe]() is engine
     assert other.blocks[0].moe.experts[0] not in hints._owners
+    with pytest.raises(ModelError, match="already wrapped by an open zinf engine; close that engine first"):
+        zinf.initialize(model, dict(placement_config("nvme", tmp_path / "again", model), optimizer=OPT))
     engine.close()
     assert probe not in hints._owners
     zinf.will_use(model.modules())  # closed: announced to no one

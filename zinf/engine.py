@@ -144,6 +144,9 @@ class Engine:
                  recorder: ev.Recorder | None = None, controller: PlacementController | None = None):
         if not isinstance(model, nn.Module):
             raise ModelError(f"zinf.initialize needs a torch.nn.Module, got {type(model).__name__}")
+        if hints.open_engine_of(model) is not None:  # it would re-home parameters the other engine freed
+            raise ModelError("this model (or a module of it) is already wrapped by an open zinf engine; "
+                             "close that engine first (engine.close()), or wrap a copy (copy.deepcopy(model))")
         self.config = cfg = load_config(config)
         self.module = model
         self.recorder = recorder or ev.NullRecorder()

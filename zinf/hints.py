@@ -1,4 +1,5 @@
-"""What a model may tell zinf about its own next steps: ``zinf.will_use(modules)``.
+"""What a model may tell zinf about its own next steps: ``zinf.will_use(modules)``; and which open
+engine wraps a module (one model, one open engine: a second would free the first's parameters).
 
 A routed model knows which modules a pass runs only once it has routed: an MoE layer learns its
 experts from the router, a moment before it calls them. The recorded trace cannot know that, so
@@ -27,6 +28,16 @@ def register(engine, model: nn.Module) -> None:
     ref = weakref.ref(engine)
     for module in model.modules():
         _owners[module] = ref
+
+
+def open_engine_of(model: nn.Module):
+    """The open engine that wraps ``model`` or one of its modules, or None."""
+    for module in model.modules():
+        ref = _owners.get(module)
+        engine = ref() if ref is not None else None
+        if engine is not None and not getattr(engine, "_closed", True):
+            return engine
+    return None
 
 
 def unregister(engine, model: nn.Module) -> None:
