@@ -639,15 +639,16 @@ def paired_speed(adaptive: Cell, static: Cell, block: int) -> tuple[float, float
     number of pairs; None when the runs were not side by side."""
     if block <= 0:
         return None
+
+    def blocks(run: Run) -> dict[int, list[float]]:  # the measured steps' seconds, by block
+        out: dict[int, list[float]] = {}
+        for step, sec, _ in run.per_step:
+            if step not in run.cold_steps and step >= run.measured_from:
+                out.setdefault(step // block, []).append(sec)
+        return out
+
     ratios = []
     for a_run, s_run in zip(adaptive.runs, static.runs):
-        def blocks(run: Run) -> dict[int, list[float]]:
-            out: dict[int, list[float]] = {}
-            for step, sec, _ in run.per_step:
-                if step in run.cold_steps or step < run.measured_from:
-                    continue
-                out.setdefault(step // block, []).append(sec)
-            return out
         a_blocks, s_blocks = blocks(a_run), blocks(s_run)
         ratios += [statistics.median(s_blocks[k]) / statistics.median(a_blocks[k]) for k in a_blocks if k in s_blocks]
     if len(ratios) < 2:

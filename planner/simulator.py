@@ -273,6 +273,13 @@ class Simulator:
         nf = len(self.fwd_order)  # (a forward visit sends no gradient, and asks for no group read)
         self._forward = (self.fwd_order.tolist(), c_f[self.fwd_order].tolist(), self.f_w.tolist(), [-1.0] * nf, [False] * nf)
         self._backward = (self.bwd_order.tolist(), c_b[self.bwd_order].tolist(), self.b_w.tolist())
+        # runs of forward records whose shards the forward seldom uses (the routed experts of one
+        # layer, in a row in the trace): [start, end) each, where the model announces them at once
+        self._seldom_runs: list[tuple[int, int]] = []
+        if wl.announced_reads:
+            seldom = np.concatenate([[False], self._fwd_rate[self.fwd_order] < MIN_USE_RATE, [False]])
+            edges = np.flatnonzero(seldom[1:] != seldom[:-1])  # starts and ends, alternating
+            self._seldom_runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
     # ---------------------------------------------------------------- placement -> codes
     def codes(self, placement) -> tuple[list[int], list[int]]:
@@ -395,7 +402,7 @@ class Simulator:
         fs, fc, fw, no_grad, no_eager = self._forward
         bs, bc, bw = self._backward
         f_entries = f_entry.tolist()
-        tr.forward = (fs, f_entries, fc, fw, f_fixed.tolist(), no_grad, no_eager, self._announced(tr, fwd, f_entries, fw))
+        tr.forward = (fs, f_entries, fc, fw, f_fixed.tolist(), no_grad, no_eager, self._announced(tr, f_entries, fw))
         tr.backward = (bs, b_entry.tolist(), bc, bw, b_fixed.tolist(), b_grad.tolist(), b_eager.tolist(), [()] * len(bs))
         tr.eager_chunks = np.flatnonzero(chunk & o_nvme & (uo > 0)).tolist()
         tr.dram_eager_chunks = np.flatnonzero(chunk & o_dram & (uo > 0)).tolist() if dram_eager else []
@@ -409,29 +416,17 @@ class Simulator:
         tr.todo_nvme = todo[group].tolist()
         return tr
 
-    def _announced(self, tr: _Trace, fwd, f_entries: list[int], fw: list[float]) -> list[tuple]:
+    def _announced(self, tr: _Trace, f_entries: list[int], fw: list[float]) -> list[tuple]:
         """Per forward record, the reads the model starts there by announcing what it runs next
-        (``zinf.will_use``; the MoE layer names its routed experts): at the first record of a
-        run of records whose shards the forward seldom uses (below ``MIN_USE_RATE``: the routed
-        experts of one layer, in a row in the trace), the NVMe reads of that run the prefetcher
+        (``zinf.will_use``; the MoE layer names its routed experts): at the first record of each
+        run of seldom-used records (``_seldom_runs``), the NVMe reads of that run the prefetcher
         would miss, all queued at once. The window's room is not modelled for them."""
         out: list[tuple] = [()] * len(f_entries)
-        if not self.workload.announced_reads or tr.window <= 0:
+        if tr.window <= 0:
             return out
-        seldom = (self._fwd_rate[fwd] < MIN_USE_RATE).tolist()
-        took, k, n = tr.took, 0, len(f_entries)
-        while k < n:
-            if not seldom[k]:
-                k += 1
-                continue
-            j, run = k, []
-            while j < n and seldom[j]:
-                e = f_entries[j]
-                if e >= 0 and took[e] == MISS:
-                    run.append((e, fw[j]))
-                j += 1
-            out[k] = tuple(run)
-            k = j
+        took = tr.took
+        for start, end in self._seldom_runs:
+            out[start] = tuple((e, fw[j]) for j in range(start, end) if (e := f_entries[j]) >= 0 and took[e] == MISS)
         return out
 
     def _prefetch(self, tr: _Trace, e_shard: list[int], keep: list[int], ahead: list[bool], nf: int) -> None:

@@ -1947,7 +1947,7 @@ class Engine:
         for h in getattr(self, "_hooks", []):
             h.remove()
         self._hooks = []
-        hints.unregister(self, self.module)
+        hints.unregister(self.module)
         if self.recorder.enabled:
             self._emit_io()
             self.recorder.emit(ev.RunFinished(status, self.global_steps, time.time()))

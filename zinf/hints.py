@@ -40,13 +40,11 @@ def open_engine_of(model: nn.Module):
     return None
 
 
-def unregister(engine, model: nn.Module) -> None:
-    """``engine`` is closed: hints about its modules go nowhere (unless another engine wraps them
-    since)."""
+def unregister(model: nn.Module) -> None:
+    """The engine wrapping ``model`` is closed: hints about its modules go nowhere (no other open
+    engine can wrap them: :func:`open_engine_of` refuses a second)."""
     for module in model.modules():
-        ref = _owners.get(module)
-        if ref is not None and ref() in (engine, None):
-            del _owners[module]
+        _owners.pop(module, None)
 
 
 def will_use(modules: Iterable[nn.Module]) -> None:
