@@ -244,10 +244,11 @@ class ControllerSettings:
     never ran must clear ``min_gain_fraction`` plus this band (its error is unknown by that much).
     0: never try, and no such margin."""
 
-    trial_periods: int = 2
+    trial_periods: int = 3
     """Trials of untried engine modes (see ``trial_band``) are made, measured and if need be
     reverted in this many re-plan periods after the first plan (a trial starts only while a whole
-    period is left of them), and no later: exploring is over before the steady state, where a trial
+    period is left of them, two where ``trial_confirm_z`` may measure the placement before it
+    again), and no later: exploring is over before the steady state, where a trial
     that measured slower would be reverted - a migration there and back (the dense GPT at 30% on
     the 2-core VM: a mode adopted at step 24 on a predicted 6.6% gain measured 9.5% slower, and
     its revert moved 47% of the homes back). Re-plans in these periods are always solved and do
@@ -264,6 +265,16 @@ class ControllerSettings:
     1.24x faster. A trial judged clearly faster or slower, or whose steps drift from its first
     ones by ``drift_fraction`` (the accesses changed), is judged at once on its first steps.
     ``verify_steps`` or less: trials are judged like plans, on ``verify_steps`` steps."""
+
+    trial_confirm_z: float | None = 3.0
+    """A trial measured faster than the placement before it (A) by less than this many
+    :attr:`AdaptiveController.step_noise` is confirmed before it is kept: A is measured again
+    after it (A/B/A), and the trial is kept only if it also measured faster than that. A was
+    measured in the steps just before the trial, and a slow phase of a shared machine there
+    made a slower placement look faster: the dense GPT at 30% on the 2-core VM, A measured
+    0.659 s, the trial 0.630 s, and A ran 0.585 s for the rest of the run (the trial kept: 0.93x
+    ``max_in_cpu``). The confirmation costs two migrations of the trial's moves (counted as
+    ping-pong). None: trials are judged on A's steps before them alone."""
 
     policy: PolicySettings = field(default_factory=PolicySettings)
 
@@ -350,6 +361,18 @@ class _Check:
     overhead_s: float = 0.0  # ... this calibration residual
     before_mode: Mode | None = None  # the engine mode of the placement it replaced, and ...
     before_residual_s: float = 0.0  # ... that mode's calibration residual at the plan
+
+
+@dataclass
+class _Confirm:
+    """A trial measured faster than the placement before it, gone back to that placement to
+    measure it again (:attr:`ControllerSettings.trial_confirm_z`)."""
+
+    check: _Check  # the trial (its ``before`` is the placement measured again now)
+    entry: dict  # its entry in ``trials``
+    trial_s: float  # the trial's measured median step
+    trial_placement: dict  # the trial's placement, {home: tier}: taken again if it is confirmed
+    steps: int  # steps the trial was judged on: the placement before it is measured on as many
 
 
 @dataclass(frozen=True)
@@ -610,6 +633,7 @@ class AdaptiveController:
         # a plan kept after its verify_steps, judged once more over all the steps of its placement
         # (up to window_steps) when the next plan is due: (check, its entry in verified)
         self._rejudge: tuple[_Check, dict] | None = None
+        self._confirm: _Confirm | None = None  # a trial whose placement before it is measured again
         self._failed: _Check | None = None  # the last plan reverted, until the accesses change
         self.plans_reverted = 0
         # every adopted plan once measured after it landed: the step it was made after, its
@@ -1010,11 +1034,17 @@ class AdaptiveController:
             entry["kept"] = not failed
             if failed:
                 return self._revert(engine, step, check, measured, failed)
+            if check.trial and self._needs_confirm(check, measured):
+                moves = self._start_confirm(engine, step, check, entry, measured, len(judged_on))
+                if moves:
+                    return moves
             self._rejudge = (check, entry)
             # Kept: from here on its own steps are its prediction, as calibrating the simulator on
             # the placement in force makes it at the next plan (the plan's prediction was the
             # model's before any step of it was measured; a drift is judged against what it runs at).
             self._predicted_step_s = measured
+        if self._confirm is not None:
+            return self._end_confirm(engine, step)  # (None while the placement before the trial is measured)
         if self._verify is not None:
             return None  # the plan in force is measured before the next one is made
         if step - self._settled_step < s.first_plan_after:
@@ -1501,8 +1531,10 @@ class AdaptiveController:
     def _may_try(self, step: int) -> bool:
         """Whether a plan made after ``step`` may be a trial: one re-plan period (what measuring
         it and a revert take) still fits in the exploring periods (:meth:`_exploring`) - a trial
-        made later, after a drift plan moved the schedule, was reverted in the steady state."""
-        return self._exploring(step + self.settings.replan_every - 1)
+        made later, after a drift plan moved the schedule, was reverted in the steady state; two
+        periods where it may be confirmed (:attr:`ControllerSettings.trial_confirm_z`)."""
+        periods = 1 if self.settings.trial_confirm_z is None else 2
+        return self._exploring(step + periods * self.settings.replan_every - 1)
 
     def _kept_quietly(self, quiet: bool, step: int) -> None:
         """Count a scheduled re-plan that kept the placement while every shard's accesses were the
@@ -1636,6 +1668,92 @@ class AdaptiveController:
             return None
         return self._revert(engine, step, check, measured, f"over {len(steps)} steps: {failed}") or []
 
+    def _needs_confirm(self, check: "_Check", measured_s: float) -> bool:
+        """Whether a trial that measured ``measured_s``, faster than the placement before it, is
+        to be confirmed by measuring that placement again (:attr:`ControllerSettings.trial_confirm_z`):
+        its gain is less than ``trial_confirm_z`` x the step noise (or the noise is unknown)."""
+        z = self.settings.trial_confirm_z
+        if z is None or check.before_s <= 0:
+            return False
+        noise = self.step_noise
+        return noise is None or (check.before_s - measured_s) / check.before_s < z * noise
+
+    def _start_confirm(self, engine, step: int, check: "_Check", entry: dict, trial_s: float,
+                       steps: int) -> list[Move] | None:
+        """Go back to the placement before a trial to measure it again (A/B/A); recorded as a plan
+        of its own (adopted, trigger "confirm"), its moves counted as ping-pong. None (nothing to
+        move back) when the trial's placement is that placement."""
+        current = homes_of(engine.placement)
+        moves = diff_moves(current, check.before)
+        if not moves:
+            return None
+        self._confirm = _Confirm(check, entry, trial_s, current, max(steps, self._verify_steps))
+        entry["kept"] = None  # not judged yet
+        why = (f"a trial measured {trial_s * 1e3:.1f} ms/step against {check.before_s * 1e3:.1f} before it, "
+               f"within {self.settings.trial_confirm_z:g}x the step noise: the placement before it is "
+               f"measured again ({self._confirm.steps} steps) and the trial kept only if faster than that too")
+        self._record_move_plan(engine, step, check.before, predicted_s=check.before_s,
+                               gain_s=trial_s - check.before_s, why=why, moves=moves, trigger="confirm")
+        self.policy.pingpong_total += len(moves)
+        self._predicted_step_s = check.before_s
+        self._rejudge = None
+        self._sample_detail(False)
+        self._quiet_plans = 0
+        self._target = check.before
+        return moves
+
+    def _end_confirm(self, engine, step: int) -> list[Move] | None:
+        """Once the placement before a trial has been measured again: keep the trial (moved to
+        once more) if it measured faster than both measurements of that placement, else stay."""
+        confirm = self._confirm
+        if len(self._recent_s) < confirm.steps:
+            return None
+        self._confirm = None
+        again_s = statistics.median(list(self._recent_s)[-confirm.steps:])
+        check, entry = confirm.check, confirm.entry
+        entry["again_s"] = again_s
+        entry["kept"] = confirm.trial_s < again_s
+        self._sample_detail(False)
+        if not entry["kept"]:
+            self._predicted_step_s = again_s
+            why = (f"the placement before the trial of step {check.step} measured {again_s * 1e3:.1f} ms/step again "
+                   f"({check.before_s * 1e3:.1f} before it), the trial {confirm.trial_s * 1e3:.1f}: not faster, "
+                   f"the placement stays")
+            log.info("zinf planner: step %d: %s", step, why)
+            self.plans_made += 1
+            self.recorder.record_plan(
+                self.plans_made, _assignments(engine.placement, {}), policy="adaptive", created_step=step,
+                dram_budget_bytes=self.dram_budget_bytes, predicted_step_s=again_s, predicted_gain_s=0.0,
+                adopted=False, reason={"adopt": False, "why": why, "moves": 0, "trigger": "confirm",
+                                       "measured_step_s": again_s, "trial_step_s": confirm.trial_s})
+            return None
+        moves = diff_moves(homes_of(engine.placement), confirm.trial_placement)
+        why = (f"the trial of step {check.step} measured {confirm.trial_s * 1e3:.1f} ms/step, faster than the "
+               f"placement before it both before ({check.before_s * 1e3:.1f}) and after it ({again_s * 1e3:.1f}): "
+               f"taken again")
+        self._predicted_step_s = confirm.trial_s
+        # judged once more over all its steps at the next plan, against the newer measure
+        self._rejudge = (replace(check, before_s=again_s, before=homes_of(engine.placement)), entry)
+        if not moves:
+            return None
+        self._record_move_plan(engine, step, confirm.trial_placement, predicted_s=confirm.trial_s,
+                               gain_s=again_s - confirm.trial_s, why=why, moves=moves, trigger="confirm")
+        self._target = confirm.trial_placement
+        return moves
+
+    def _record_move_plan(self, engine, step: int, target: dict, *, predicted_s: float, gain_s: float, why: str,
+                          moves: list[Move], trigger: str, **reason) -> None:
+        """Record (and log) a plan the controller adopts without solving one - a revert, a trial's
+        confirmation - with ``reason``'s extra fields. The engine's plan version moves on."""
+        self.plans_made += 1
+        self.recorder.record_plan(
+            self.plans_made, _assignments(engine.placement, target), policy="adaptive", created_step=step,
+            dram_budget_bytes=self.dram_budget_bytes, predicted_step_s=predicted_s, predicted_gain_s=gain_s,
+            adopted=True, reason={"adopt": True, "why": why, "moves": len(moves), "trigger": trigger, **reason})
+        log.info("zinf planner: step %d plan %d: %s", step, self.plans_made, why)
+        engine.plan_version += 1
+        self._last_plan_step = step
+
     def _revert(self, engine, step: int, check: "_Check", measured_s: float, failed: str = "") -> list[Move] | None:
         """Go back to the placement a plan replaced: it measured ``measured_s`` against
         ``check.before_s`` before it (the model was wrong about this workload). Recorded as a plan
@@ -1656,18 +1774,12 @@ class AdaptiveController:
         self._quiet_plans = 0
         if not moves:
             return None
-        self.plans_made += 1
         self.plans_reverted += 1
         self.policy.pingpong_total += len(moves)
-        self.recorder.record_plan(
-            self.plans_made, _assignments(engine.placement, check.before), policy="adaptive", created_step=step, dram_budget_bytes=self.dram_budget_bytes,
-            predicted_step_s=check.before_s, predicted_gain_s=measured_s - check.before_s, adopted=True,
-            reason={"adopt": True, "why": why, "moves": len(moves), "trigger": "revert", "measured_step_s": measured_s,
-                    "before_step_s": check.before_s, "predicted_step_s": check.predicted_s})
-        log.info("zinf planner: step %d plan %d: %s", step, self.plans_made, why)
-        engine.plan_version += 1
+        self._record_move_plan(engine, step, check.before, predicted_s=check.before_s, gain_s=measured_s - check.before_s,
+                               why=why, moves=moves, trigger="revert", measured_step_s=measured_s,
+                               before_step_s=check.before_s, predicted_step_s=check.predicted_s)
         self._target = check.before
-        self._last_plan_step = step
         return moves
 
     def _best_plan(self, engine, workload: Workload, cost, trial_ok: bool = False,

@@ -938,6 +938,8 @@ def _trial_run(tmp_path, start: str, tried: str):
         before = engine.placement
         controller = TrialOnce(url, engine.recorder, 64 * MiB, ControllerSettings(
             replan_every=REPLAN, first_plan_after=6, revert_fraction=None,  # a trial is measured all the same
+            # judged on the steps before it alone (its confirmation: the scripted tests below)
+            trial_confirm_z=None,
             policy=PolicySettings(margin=0, min_gain_fraction=0)))
         engine.controller = controller
         for step in range(4 * REPLAN + 6):
@@ -1073,7 +1075,7 @@ def test_after_a_shift_the_long_ewma_does_not_lean_on_the_first_step_since():
 
 def test_trials_are_made_only_in_the_exploring_periods_whose_re_plans_are_solved_on_schedule(tmp_path):
     """Untried engine modes are tried in the first ``trial_periods`` re-plan periods after the
-    first plan (a trial starting while a period is left for measuring it) and never later: the first plan and every plan after the window are made with
+    first plan (a trial starting while two periods are left for measuring and confirming it) and never later: the first plan and every plan after the window are made with
     trials off, and the re-plans inside the window are solved (not skipped as unchanged) and come
     every ``replan_every`` steps (the quiet back-off waits for the window to end)."""
     from planner.controller import AdaptiveController, ControllerSettings
@@ -1088,7 +1090,7 @@ def test_trials_are_made_only_in_the_exploring_periods_whose_re_plans_are_solved
 
     with zinf.initialize(model, config) as engine:
         controller = Watched(url, engine.recorder, 64 * MiB, ControllerSettings(
-            replan_every=REPLAN, first_plan_after=6, trial_periods=2, plan_lag_steps=0))
+            replan_every=REPLAN, first_plan_after=6, trial_periods=3, plan_lag_steps=0))
         engine.controller = controller
         for step in range(10 * REPLAN):
             x, y = data.get(step)
@@ -1097,10 +1099,11 @@ def test_trials_are_made_only_in_the_exploring_periods_whose_re_plans_are_solved
         engine.recorder.flush()
         plans = queries.plans(url, engine.recorder.run_id)
     first = int(plans["created_step"].iat[0])
-    window_end = first + 2 * REPLAN
+    window_end = first + 3 * REPLAN
     assert calls and calls[0] == (first, False), "no trial at the first plan"
-    # none after the window, nor in its last period (a trial's measuring and revert must fit in it)
-    assert all(not ok for s, ok in calls if s + REPLAN > window_end), calls
+    # none after the window, nor in its last two periods (a trial's measuring, confirmation and
+    # revert must fit in it)
+    assert all(not ok for s, ok in calls if s + 2 * REPLAN > window_end), calls
     in_window = plans[plans["created_step"] < window_end]
     assert len(in_window) >= 2, plans[["created_step", "adopted"]]
     # solved, each within replan_every of the one before (drift or revert plans come sooner) -
@@ -1139,7 +1142,7 @@ def test_a_reverted_first_plan_leaves_the_exploring_periods_their_trials(tmp_pat
     with zinf.initialize(model, config) as engine:
         engine.migrate([Move(n, "optim", "cpu") for n, t in engine.placement.items() if t["optim"] == "nvme"])
         controller = WrongFirst(url, engine.recorder, 64 * MiB, ControllerSettings(
-            replan_every=REPLAN, first_plan_after=6, trial_periods=3, plan_lag_steps=0, error_plans=0,
+            replan_every=REPLAN, first_plan_after=6, trial_periods=4, plan_lag_steps=0, error_plans=0,
             drift_fraction=10.0,  # (no drift plans: a drift bars a trial, and a loaded machine drifts)
             policy=PolicySettings(margin=0, min_gain_fraction=0)))
         engine.controller = controller
@@ -1152,11 +1155,12 @@ def test_a_reverted_first_plan_leaves_the_exploring_periods_their_trials(tmp_pat
     assert controller.plans_reverted == 1, plans[["created_step", "adopted"]]
     first = int(plans["created_step"].iat[0])
     reverted_at = int(next(r for r, why in zip(plans["created_step"], plans["reason"]) if why.get("trigger") == "revert"))
-    assert reverted_at < first + 3 * REPLAN  # (inside the exploring periods)
-    window_end = reverted_at + 3 * REPLAN
+    assert reverted_at < first + 4 * REPLAN  # (inside the exploring periods)
+    window_end = reverted_at + 4 * REPLAN
     assert controller._explore_until == window_end, "the exploring periods start again at the revert"
     assert any(ok for s, ok in calls if s > reverted_at), calls
-    assert all(not ok for s, ok in calls if s + REPLAN > window_end), calls
+    # (a trial and its confirmation need two periods)
+    assert all(not ok for s, ok in calls if s + 2 * REPLAN > window_end), calls
 
 
 def test_every_home_on_nvme_is_a_candidate_the_splits_of_the_budget_do_not_make(tmp_path):
@@ -1360,3 +1364,110 @@ def test_moves_the_engine_refuses_are_asked_again_while_others_land_then_left_ou
         assert engine.dram_need.total_bytes <= config["zinf"]["dram_budget"]
         assert controller.plans_made >= 2, "planning went on after the plan landed"
     assert any("refused" in r.getMessage() and "lands without them" in r.getMessage() for r in caplog.records)
+
+
+class _ScriptedEngine:
+    """What the controller reads of an engine between steps, with step times it is told: a
+    placement the controller's moves are applied to at once."""
+
+    def __init__(self, placement: dict) -> None:
+        self.placement = {n: dict(t) for n, t in placement.items()}
+        self.global_steps, self.plan_version, self.last_step = 0, 0, None
+
+    def run(self, controller, wall_s: float) -> list:
+        """One step of ``wall_s`` seconds, then the controller's call; its moves are made."""
+        self.global_steps += 1
+        self.last_step = {"wall_s": wall_s, "migration_s": 0.0}
+        moves = controller.after_step(self) or []
+        for m in moves:
+            self.placement[m.shard][m.state] = m.dst
+        return moves
+
+
+class _Plans:
+    """Keeps the plans a controller records."""
+
+    run_id = 1
+
+    def __init__(self) -> None:
+        self.plans = []
+
+    def record_plan(self, *args, **kwargs) -> None:
+        self.plans.append(kwargs)
+
+    def flush(self) -> None:
+        pass
+
+    def set_shard_detail_every(self, k: int) -> int:
+        return k
+
+
+def _trial_confirmed(before_s: float, trial_s: float, again_s: float):
+    """A controller whose trial (two params from DRAM to NVMe) landed after a placement measured
+    ``before_s``: the trial's steps run ``trial_s``, the placement before it ``again_s`` once back.
+    Returns the controller, the engine and the moves of every step."""
+    from collections import deque
+
+    from planner.controller import AdaptiveController, ControllerSettings, _Check
+
+    a = {"s0": {"param": "cpu", "optim": "nvme"}, "s1": {"param": "cpu", "optim": "nvme"}}
+    b = {"s0": {"param": "nvme", "optim": "nvme"}, "s1": {"param": "nvme", "optim": "nvme"}}
+    engine = _ScriptedEngine(b)
+    c = AdaptiveController("sqlite://", _Plans(), 1 << 30, ControllerSettings(
+        replan_every=1000, verify_steps=5, trial_verify_steps=10, plan_lag_steps=0, trial_confirm_z=3.0))
+    c._settled_step = 0
+    # every placement's steps spread +-6% about their median: a step noise of 3.5%
+    spread = [-0.06, -0.03, 0.0, 0.03, 0.06]
+    c._placement_s = deque([[before_s * (1 + d) for d in spread * 2], []], maxlen=8)
+    c._verify = _Check(step=16, before_s=before_s, before=homes_of_a(a), predicted_s=trial_s, rates=None,
+                       trial=True)
+    moves = []
+    for i in range(12):  # the trial's steps: measured, then judged
+        moves.append(engine.run(c, trial_s * (1 + spread[i % 5])))
+        if engine.placement == a:
+            break
+    for i in range(14):  # back on the placement before it
+        moves.append(engine.run(c, again_s * (1 + spread[i % 5])))
+        if c._confirm is None:
+            break
+    return c, engine, moves, a, b
+
+
+def homes_of_a(placement: dict) -> dict:
+    from planner.solver import homes_of
+
+    return homes_of(placement)
+
+
+def test_a_trial_within_the_noise_is_kept_only_if_faster_than_the_placement_before_it_measured_again():
+    """A/B/A: a trial measured faster than the steps before it by less than trial_confirm_z x the
+    noise goes back to the placement before it, measures it as many steps again, and is taken
+    again only if it measured faster than that too. The slow phase of a shared machine before a
+    trial no longer keeps a slower placement (the dense GPT at 30% on the VM: 0.659 s before,
+    0.630 s the trial, 0.585 s after). The moves there and back count as ping-pong."""
+    c, engine, moves, a, b = _trial_confirmed(before_s=0.659, trial_s=0.630, again_s=0.585)
+    assert engine.placement == a and c._confirm is None, "the placement before the trial stays"
+    (trial,) = c.trials
+    assert trial["measured_s"] == pytest.approx(0.630, rel=1e-3) and trial["again_s"] == pytest.approx(0.585, rel=1e-3)
+    assert trial["kept"] is False
+    triggers = [p["reason"]["trigger"] for p in c.recorder.plans]
+    assert triggers == ["confirm", "confirm"] and [p["adopted"] for p in c.recorder.plans] == [True, False]
+    assert sum(len(m) for m in moves) == 2 == c.policy.pingpong_total
+    assert c.predicted_step_s == pytest.approx(0.585, rel=1e-3)
+
+    # the same trial, the placement before it measured as slow again: the trial is taken again
+    c, engine, moves, a, b = _trial_confirmed(before_s=0.659, trial_s=0.630, again_s=0.662)
+    assert engine.placement == b and c._confirm is None
+    assert c.trials[0]["kept"] is True and c.trials[0]["again_s"] == pytest.approx(0.662, rel=1e-3)
+    assert [p["reason"]["trigger"] for p in c.recorder.plans] == ["confirm", "confirm"]
+    assert all(p["adopted"] for p in c.recorder.plans) and sum(len(m) for m in moves) == 4
+    assert c.predicted_step_s == pytest.approx(0.630, rel=1e-3)
+    assert c._rejudge is not None and c._rejudge[0].before_s == pytest.approx(0.662, rel=1e-3)
+
+
+def test_a_trial_clearly_faster_or_with_confirmation_off_is_kept_at_once():
+    """No confirmation where the trial's gain is beyond trial_confirm_z x the noise (a 40% faster
+    trial), nor with trial_confirm_z None."""
+    c, engine, moves, a, b = _trial_confirmed(before_s=1.0, trial_s=0.6, again_s=0.5)
+    assert engine.placement == b and c.trials[0]["kept"] is True and c.recorder.plans == []
+    assert "again_s" not in c.trials[0] and not any(moves)

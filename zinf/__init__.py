@@ -66,7 +66,8 @@ def initialize(model, config: Config | dict | str | os.PathLike | None = None, *
                                     warm_band=pc.warm_band)
             settings = ControllerSettings(replan_every=pc.replan_every, policy=policy,
                                           revert_fraction=pc.revert_fraction, plan_lag_steps=pc.plan_lag_steps,
-                                          trial_band=pc.trial_band, trial_periods=pc.trial_periods)
+                                          trial_band=pc.trial_band, trial_periods=pc.trial_periods,
+                                          trial_confirm_z=pc.trial_confirm_z)
             if tuner is not None:
                 # Trials must not feed the planner's calibration: its first plan reads only steps
                 # run with the kept setting (a whole planning window of them).

@@ -634,11 +634,19 @@ class PlacementConfig(_Section):
     reverted within them too); after them a plan in a mode that never ran must clear
     ``min_gain_fraction`` plus this band. 0: never try."""
 
-    trial_periods: int = Field(2, ge=0)
+    trial_periods: int = Field(3, ge=0)
     """Adaptive: the re-plan periods after the first plan in which untried engine modes are tried
-    (see ``trial_band``): exploring ends before the steady state, where a trial that measured
+    (see ``trial_band``; a trial starts while two periods are left of them, one without
+    ``trial_confirm_z``): exploring ends before the steady state, where a trial that measured
     slower would move homes there and back. A plan reverted within them (no trial) starts them
     again. 0: no trials."""
+
+    trial_confirm_z: float | None = Field(3.0, gt=0)
+    """Adaptive: a trial measured faster than the placement before it by less than this many
+    times the steps' noise is confirmed before it is kept: that placement is measured again
+    after it (its moves there and back), and the trial is kept only if faster than that too - a
+    slow phase of a shared machine just before a trial otherwise keeps a slower placement.
+    null: judge a trial on the steps before it alone."""
 
 
 class ProfilerConfig(_Section):
