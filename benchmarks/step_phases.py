@@ -5,15 +5,20 @@ the overlap buffers the engine granted each placement. Every run records a profi
 planner's model of each placement can be replayed offline from the databases kept (``--keep-db``).
 
 Answers "why is policy A slower than policy B here": more stall (I/O not hidden), more optimizer
-time (updates not overlapped), or the same phases and more overhead.
+time (updates not overlapped), or the same phases and more overhead. ``loop_s`` is the wall clock
+around the whole training-loop step (data included), as ``planner_policies.py`` measures it;
+``--cprofile N`` prints Python's profile of the training thread over the last N steps (on a CPU
+device the backward's hooks run there too; with CUDA they run on autograd's device thread).
 
     OMP_NUM_THREADS=8 python3 benchmarks/step_phases.py --path /tmp/sp --workload gpt --budget 0.2 --device cuda
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import platform
+import pstats
 import shutil
 import sqlite3
 import statistics
@@ -29,6 +34,10 @@ import planner_policies as pp  # noqa: E402
 import zinf  # noqa: E402
 
 PHASES = ("wall_s", "forward_s", "backward_s", "optimizer_s", "stall_s")
+# loop_s: the wall clock around the training loop's step (data, every micro-batch, the step's end),
+# as planner_policies.py measures it; wall_s is the engine's own clock (first forward to the end
+# of the optimizer step and the controller's call)
+COLUMNS = ("loop_s",) + PHASES
 
 
 def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int, args) -> dict:
@@ -50,6 +59,7 @@ def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int,
     n_steps = args.warmup + args.steps
     profiled = max(0, n_steps - args.torch_profile) if args.torch_profile else None
     prof = None
+    cprof = cProfile.Profile() if args.cprofile else None
     with engine:
         micro = 0
         for step in range(n_steps):
@@ -57,22 +67,31 @@ def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int,
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                               + ([torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else []))
                 prof.__enter__()
+            if cprof is not None and step == n_steps - args.cprofile:
+                cprof.enable()
             before = engine.traffic_total
             before_b = before.read["nvme"] + before.written["nvme"]
             prediction = getattr(getattr(engine, "controller", None), "predicted_step_s", None)
+            t0 = time.perf_counter()
             for _ in range(w.grad_accum):
                 x, y = w.data.get(micro)
                 micro += 1
                 engine.backward(engine(x, y))
                 engine.step()
+            loop_s = time.perf_counter() - t0
             if step == args.warmup - 1:
                 pf_before = engine.prefetch_stats
             if step >= args.warmup:
-                rows.append({k: engine.last_step[k] for k in PHASES})
+                rows.append({k: engine.last_step[k] for k in PHASES} | {"loop_s": loop_s})
                 after = engine.traffic_total
                 nvme_b.append(after.read["nvme"] + after.written["nvme"] - before_b)
                 if prediction is not None:
                     predicted.append(prediction)
+        if cprof is not None:
+            cprof.disable()
+            print(f"--- cProfile, {policy}, the training thread over the last {args.cprofile} steps (seconds over them)")
+            pstats.Stats(cprof, stream=sys.stdout).sort_stats("tottime").print_stats(args.torch_profile_rows)
+            pstats.Stats(cprof, stream=sys.stdout).sort_stats("cumulative").print_stats(args.torch_profile_rows)
         if prof is not None:
             prof.__exit__(None, None, None)
             print(f"--- torch.profiler, {policy}, the last {args.torch_profile} steps (ms over them; main thread and workers)")
@@ -89,7 +108,7 @@ def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int,
         with sqlite3.connect(d / "profile.db") as src, sqlite3.connect(args.keep_db / f"{w.name}_{policy}_{args.budget:g}.db") as dst:
             src.backup(dst)
     shutil.rmtree(d, ignore_errors=True)
-    out = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+    out = {k: statistics.median(r[k] for r in rows) for k in COLUMNS}
     out["nvme_MB"] = statistics.median(nvme_b) / 1e6
     out["predicted_s"] = statistics.median(predicted) if predicted else None
     out["buffers"] = (f"prefetch {ov.prefetch_bytes >> 20} MiB, write {ov.write_bytes >> 20} MiB, "
@@ -113,7 +132,9 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N",
                     help="run torch.profiler over each policy's last N steps and print its table of ops")
-    ap.add_argument("--torch-profile-rows", type=int, default=40)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="run Python's cProfile on the training thread over each policy's last N steps and print its top functions")
+    ap.add_argument("--torch-profile-rows", type=int, default=40, help="rows of each profile table printed")
     ap.add_argument("--keep-db", type=Path, default=None, help="copy each run's profile database here")
     ap.add_argument("--no-hints", action="store_true",
                     help="zinf.prefetch_hints off: the MoE's routed experts are not read ahead on its word")
@@ -129,11 +150,11 @@ def main() -> None:
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "") + f", torch {torch.__version__}")
     print(f"{w.about}; budget {args.budget:.0%} = {budget >> 20} MiB; max_in_cpu {n_max}; "
           f"{args.warmup} + {args.steps} steps per policy")
-    print(f"{'policy':<11}" + "".join(f"{k:>12}" for k in PHASES) + f"{'NVMe MB':>9}{'predicted':>11}")
+    print(f"{'policy':<11}" + "".join(f"{k:>12}" for k in COLUMNS) + f"{'NVMe MB':>9}{'predicted':>11}")
     for policy in args.policies.split(","):
         r = run_policy(w, policy, args.path, budget, n_max, args)
         pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] is not None else "-"
-        print(f"{policy:<11}" + "".join(f"{r[k]:12.3f}" for k in PHASES) + f"{r['nvme_MB']:9.1f}{pred:>11}", flush=True)
+        print(f"{policy:<11}" + "".join(f"{r[k]:12.3f}" for k in COLUMNS) + f"{r['nvme_MB']:9.1f}{pred:>11}", flush=True)
         print(f"{'':<11}buffers: {r['buffers']}; DRAM homes: {r['homes']}", flush=True)
         print(f"{'':<11}param prefetch a step: {r['prefetch']}", flush=True)
 
