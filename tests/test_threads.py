@@ -27,18 +27,22 @@ from conftest import placement_config
 from test_equivalence import OPT
 
 
-def native_threads() -> int:
-    """OS threads of this process that are not Python threads (OpenMP workers and the like)."""
-    return len(os.listdir("/proc/self/task")) - threading.active_count()
+def native_threads() -> set[int]:
+    """Thread ids of this process's OS threads that are not Python threads (OpenMP workers and
+    the like)."""
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
 
 
-def settled_native_threads(expected: int, timeout_s: float = 2.0) -> int:
-    """:func:`native_threads`, given up to ``timeout_s`` to come back to ``expected``: a Python
-    thread that has just been joined may linger in /proc for a moment; an OpenMP team stays."""
+def new_native_threads(before: set[int], timeout_s: float = 2.0) -> set[int]:
+    """The native threads started since ``before`` (:func:`native_threads`) that are still
+    there, given up to ``timeout_s`` to go: a Python thread that has just been joined may linger
+    in /proc for a moment; an OpenMP team stays. (Threads that ended since do not count: a
+    thread of an earlier test may end meanwhile.)"""
     deadline = time.monotonic() + timeout_s
-    while (n := native_threads()) != expected and time.monotonic() < deadline:
+    while (new := native_threads() - before) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return n
+    return new
 
 
 @pytest.fixture
@@ -65,7 +69,7 @@ def test_single_threaded_torch_limits_only_the_calling_thread(two_torch_threads)
     t.join()
     assert seen["worker"] == 1
     assert torch.get_num_threads() == 2, "the calling thread's limit leaked to the main thread"
-    assert settled_native_threads(before) == before, "the worker started an OpenMP team"
+    assert not new_native_threads(before), "the worker started an OpenMP team"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
@@ -82,7 +86,7 @@ def test_staged_async_io_starts_no_openmp_team(two_torch_threads, tmp_path):
         outs = [base[1 + i * (1 << 20) : 1 + (i + 1) * (1 << 20)] for i in range(4)]
         for f in [store.read_async(f"t{i}", out) for i, out in enumerate(outs)]:
             f.result()
-        assert native_threads() == before
+        assert not new_native_threads(before)
 
 
 def test_training_with_every_overlap_starts_no_openmp_team(two_torch_threads, tmp_path):
@@ -102,4 +106,4 @@ def test_training_with_every_overlap_starts_no_openmp_team(two_torch_threads, tm
             x, y = data.get(step)
             engine.backward(engine(x, y))
             engine.step()
-        assert native_threads() == before
+        assert not new_native_threads(before)
