@@ -12,6 +12,8 @@
 #   scripts/h200.sh demo       # the main job (zinf demo: profiled, re-planned, migrated) on CUDA
 #   scripts/h200.sh planner gpt|moe [ROUNDS] [SECONDS]      # issue 5's placement policies on the CPU (16 cores, a quiet machine)
 #   scripts/h200.sh planner-gpu gpt|moe [ROUNDS] [SECONDS]  # the same with the H200 computing (zinf.device cuda)
+#   scripts/h200.sh moe-gap    # the skewed MoE at 30% on the GPU: step_phases (both clocks) beside the side-by-side
+#                              # benchmark, one engine at a time and in blocks (the 0.146 vs 0.178 s question), 3 rounds
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -65,12 +67,22 @@ case "${1:-}" in
     tail -n 20 "$OUT/demo_cuda.txt" ;;
   planner|planner-gpu)  # the CPU computes (16 cores, a quiet machine), or the H200 (8 OpenMP threads leave cores to zinf's)
     install
-    wl=${2:-gpt}; extra=""; [ "$wl" = moe ] && extra="--drift-at 24"
+    wl=${2:-gpt}; extra=""; [ "$wl" = moe ] && extra="--drift-at 40"
     device=cpu; threads=""; [ "$1" = planner-gpu ] && device=cuda && threads="OMP_NUM_THREADS=8"
     log="$OUT/planner_${device}_$wl.txt"
     env $threads timeout "${4:-560}" python3 benchmarks/planner_policies.py --path /tmp/pp --device "$device" --workload "$wl" \
-      --budgets 0.2,0.3,0.5 --rounds "${3:-2}" --warmup 24 --steps 32 --replan-every 8 --log-plans $extra > "$log" 2>&1
+      --budgets 0.2,0.3,0.5 --rounds "${3:-2}" --warmup 40 --steps 32 --replan-every 8 --log-plans $extra > "$log" 2>&1
     grep -A14 "results (state" "$log" | grep "%" | cut -c1-110; tail -n 4 "$log" ;;
+  moe-gap)  # (the steady state starts at step 40: trials and their confirmation end by step 32)
+    install
+    export OMP_NUM_THREADS=8
+    timeout 120 python3 benchmarks/step_phases.py --path /tmp/sp --device cuda --workload moe --budget 0.3 \
+      --policies nvme,adaptive --warmup 40 --steps 32 > "$OUT/moe_gap_step_phases.txt" 2>&1
+    timeout 150 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload moe --budgets 0.3 \
+      --policies nvme,adaptive --rounds 1 --block 0 --warmup 40 --steps 32 --replan-every 8 > "$OUT/moe_gap_block0.txt" 2>&1
+    timeout 300 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload moe --budgets 0.3 \
+      --rounds 3 --warmup 40 --steps 32 --replan-every 8 --log-plans > "$OUT/moe_gap_side_by_side.txt" 2>&1
+    grep -A3 "loop_s" "$OUT/moe_gap_step_phases.txt"; tail -n 3 "$OUT/moe_gap_block0.txt" "$OUT/moe_gap_side_by_side.txt" ;;
   *)
-    sed -n 2,15p "$0"; exit 2 ;;
+    sed -n 2,17p "$0"; exit 2 ;;
 esac
