@@ -3,7 +3,7 @@
 One command::
 
     .venv/bin/python benchmarks/planner_policies.py --path DIR [--workload moe|gpt|both]
-        [--budgets 0.2,0.3,0.5] [--policies nvme,max_in_cpu,adaptive] [--steps 8] [--warmup 12]
+        [--budgets 0.2,0.3,0.5] [--policies nvme,max_in_cpu,adaptive] [--steps 8] [--warmup 16]
         [--rounds 3] [--block 8] [--replan-every 4] [--drift-at STEP] [--quick] [--json FILE]
 
 What is measured, for every (workload, DRAM budget, policy):
@@ -804,7 +804,9 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.2,0.3,0.5", help="DRAM budgets as fractions of the training state")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ", ".join(POLICIES))
     ap.add_argument("--steps", type=int, default=8, help="measured optimizer steps per run")
-    ap.add_argument("--warmup", type=int, default=12, help="optimizer steps before measuring (adaptive: re-plan + migrate)")
+    ap.add_argument("--warmup", type=int, default=16,
+                    help="optimizer steps before measuring (adaptive: its first plans, migrations and trials - the "
+                         "exploring periods end zinf.placement.trial_periods (3) re-plan periods after the first plan)")
     ap.add_argument("--rounds", type=int,
                     help="rounds; the policy order rotates from round to round (default 3: each policy once in "
                          "each slot; 2 with --quick)")
