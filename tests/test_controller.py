@@ -1471,3 +1471,14 @@ def test_a_trial_clearly_faster_or_with_confirmation_off_is_kept_at_once():
     c, engine, moves, a, b = _trial_confirmed(before_s=1.0, trial_s=0.6, again_s=0.5)
     assert engine.placement == b and c.trials[0]["kept"] is True and c.recorder.plans == []
     assert "again_s" not in c.trials[0] and not any(moves)
+
+
+def test_the_trial_settings_of_the_config_reach_the_controller(tmp_path):
+    """``zinf.placement.trial_confirm_z`` and ``trial_periods`` (and their defaults, 3 and 3)
+    are the controller's: a config value that never reached it would change nothing."""
+    model, _, _ = skewed_moe()
+    with zinf.initialize(model, adaptive_config(tmp_path / "set", 8 * MiB, trial_confirm_z=None, trial_periods=4)) as engine:
+        assert (engine.controller.settings.trial_confirm_z, engine.controller.settings.trial_periods) == (None, 4)
+    model, _, _ = skewed_moe()
+    with zinf.initialize(model, adaptive_config(tmp_path / "default", 8 * MiB)) as engine:
+        assert (engine.controller.settings.trial_confirm_z, engine.controller.settings.trial_periods) == (3.0, 3)
