@@ -17,6 +17,7 @@ import uuid
 import warnings
 import zlib
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -805,3 +806,30 @@ def test_filesystem_of(tmp_path):
     assert filesystem_of("/").mount_point == "/"
     assert isinstance(o_direct_supported(tmp_path), bool)
     assert not list(tmp_path.iterdir())  # the probe cleans up after itself
+
+
+def test_a_header_decoded_again_is_checked_as_the_first_time():
+    """The second decode of a shard's header (the same bytes but its CRC's) skips the JSON parse;
+    it returns what a full decode does, with this CRC, and still refuses the wrong key. Headers
+    whose bytes differ anywhere else, or whose CRC is not digits, are decoded in full: a damaged
+    one is refused even after its undamaged self was decoded."""
+    from zinf.storage import shardfile
+
+    path = Path("p.shard")
+    good = shardfile.ShardHeader("layers.0.param", torch.float32, (64, 32), 64 * 32 * 4, 7)
+    shardfile._checked_prefixes.clear()
+    assert shardfile.ShardHeader.decode(good.encode(), path, "layers.0.param") == good
+    assert len(shardfile._checked_prefixes) == 1  # (the full decode checked its prefix)
+    for crc in (0, 123456789, 2**32 - 1):
+        again = shardfile.ShardHeader.decode(replace(good, crc32=crc).encode(), path, "layers.0.param")
+        assert again == replace(good, crc32=crc)
+    with pytest.raises(CorruptShardError, match="it holds key 'layers.0.param'"):
+        shardfile.ShardHeader.decode(good.encode(), path, "layers.1.param")
+    raw = good.encode()
+    # the shape no longer matches nbytes: a prefix never checked, refused by the full decode
+    damaged = raw.replace(b"[64, 32]", b"[64, 33]")
+    with pytest.raises(CorruptShardError, match="header says 8192 bytes"):
+        shardfile.ShardHeader.decode(damaged, path, "layers.0.param")
+    with pytest.raises(CorruptShardError, match="unreadable header"):
+        shardfile.ShardHeader.decode(raw.replace(b'"crc32": 7}', b'"crc32": 7x'), path, "layers.0.param")
+    assert len(shardfile._checked_prefixes) == 1
