@@ -1695,10 +1695,7 @@ class AdaptiveController:
         self._record_move_plan(engine, step, check.before, predicted_s=check.before_s,
                                gain_s=trial_s - check.before_s, why=why, moves=moves, trigger="confirm")
         self.policy.pingpong_total += len(moves)
-        self._predicted_step_s = check.before_s
-        self._rejudge = None
-        self._sample_detail(False)
-        self._quiet_plans = 0
+        self._measure_again(check)
         self._target = check.before
         return moves
 
@@ -1741,6 +1738,15 @@ class AdaptiveController:
         self._target = confirm.trial_placement
         return moves
 
+    def _measure_again(self, check: "_Check") -> None:
+        """Back to the placement before ``check`` (a revert, a trial's confirmation): its measured
+        step is the prediction again, no plan is left to judge again, the shard detail of every
+        step is recorded, and the quiet re-plans are counted afresh."""
+        self._predicted_step_s = check.before_s
+        self._rejudge = None
+        self._sample_detail(False)
+        self._quiet_plans = 0
+
     def _record_move_plan(self, engine, step: int, target: dict, *, predicted_s: float, gain_s: float, why: str,
                           moves: list[Move], trigger: str, **reason) -> None:
         """Record (and log) a plan the controller adopts without solving one - a revert, a trial's
@@ -1768,10 +1774,7 @@ class AdaptiveController:
             # a plan that was no trial took the exploring periods to be measured and reverted:
             # they start again here (the first plan reverted left no trial on the H100's GPT at 30%)
             self._explore_until = step + self.settings.trial_periods * self.settings.replan_every
-        self._rejudge = None
-        self._predicted_step_s = check.before_s
-        self._sample_detail(False)
-        self._quiet_plans = 0
+        self._measure_again(check)
         if not moves:
             return None
         self.plans_reverted += 1

@@ -1384,24 +1384,6 @@ class _ScriptedEngine:
         return moves
 
 
-class _Plans:
-    """Keeps the plans a controller records."""
-
-    run_id = 1
-
-    def __init__(self) -> None:
-        self.plans = []
-
-    def record_plan(self, *args, **kwargs) -> None:
-        self.plans.append(kwargs)
-
-    def flush(self) -> None:
-        pass
-
-    def set_shard_detail_every(self, k: int) -> int:
-        return k
-
-
 def _trial_confirmed(before_s: float, trial_s: float, again_s: float):
     """A controller whose trial (two params from DRAM to NVMe) landed after a placement measured
     ``before_s``: the trial's steps run ``trial_s``, the placement before it ``again_s`` once back.
@@ -1409,17 +1391,19 @@ def _trial_confirmed(before_s: float, trial_s: float, again_s: float):
     from collections import deque
 
     from planner.controller import AdaptiveController, ControllerSettings, _Check
+    from planner.solver import homes_of
+    from test_background_planning import _Recorded
 
     a = {"s0": {"param": "cpu", "optim": "nvme"}, "s1": {"param": "cpu", "optim": "nvme"}}
     b = {"s0": {"param": "nvme", "optim": "nvme"}, "s1": {"param": "nvme", "optim": "nvme"}}
     engine = _ScriptedEngine(b)
-    c = AdaptiveController("sqlite://", _Plans(), 1 << 30, ControllerSettings(
+    c = AdaptiveController("sqlite://", _Recorded(run_id=1), 1 << 30, ControllerSettings(
         replan_every=1000, verify_steps=5, trial_verify_steps=10, plan_lag_steps=0, trial_confirm_z=3.0))
     c._settled_step = 0
     # every placement's steps spread +-6% about their median: a step noise of 3.5%
     spread = [-0.06, -0.03, 0.0, 0.03, 0.06]
     c._placement_s = deque([[before_s * (1 + d) for d in spread * 2], []], maxlen=8)
-    c._verify = _Check(step=16, before_s=before_s, before=homes_of_a(a), predicted_s=trial_s, rates=None,
+    c._verify = _Check(step=16, before_s=before_s, before=homes_of(a), predicted_s=trial_s, rates=None,
                        trial=True)
     moves = []
     for i in range(12):  # the trial's steps: measured, then judged
@@ -1431,12 +1415,6 @@ def _trial_confirmed(before_s: float, trial_s: float, again_s: float):
         if c._confirm is None:
             break
     return c, engine, moves, a, b
-
-
-def homes_of_a(placement: dict) -> dict:
-    from planner.solver import homes_of
-
-    return homes_of(placement)
 
 
 def test_a_trial_within_the_noise_is_kept_only_if_faster_than_the_placement_before_it_measured_again():

@@ -159,12 +159,24 @@ class ShardHeader:
         # a header whose every byte before the CRC's digits a full decode has checked already
         at = body.rfind(_CRC_FIELD)
         prefix, digits = body[:at], body[at + len(_CRC_FIELD) : -2]
-        checked = _checked_prefixes.get(prefix) if at >= 0 and body.endswith(b"}\n") and digits.isdigit() else None
+        cacheable = at >= 0 and body.endswith(b"}\n") and digits.isdigit()
+        checked = _checked_prefixes.get(prefix) if cacheable else None
         if checked is not None:
             key, dtype, shape, nbytes, version = checked
-            if expected_key is not None and key != expected_key:
-                raise _corrupt(path, expected_key, f"it holds key {key!r}")
-            return cls(key=key, dtype=dtype, shape=shape, nbytes=nbytes, crc32=int(digits), version=version)
+            header = cls(key=key, dtype=dtype, shape=shape, nbytes=nbytes, crc32=int(digits), version=version)
+        else:
+            header = cls._parse(body, path, expected_key)
+            if cacheable:
+                if len(_checked_prefixes) >= _CHECKED_PREFIXES_MAX:
+                    _checked_prefixes.clear()
+                _checked_prefixes[prefix] = (header.key, header.dtype, header.shape, header.nbytes, header.version)
+        if expected_key is not None and header.key != expected_key:
+            raise _corrupt(path, expected_key, f"it holds key {header.key!r}")
+        return header
+
+    @classmethod
+    def _parse(cls, body: bytes, path: Path, expected_key: str | None) -> ShardHeader:
+        """The header's JSON ``body``, parsed and checked (but for its key: :meth:`decode`)."""
         try:
             fields = json.loads(body.decode("ascii"))
             header = cls(
@@ -199,12 +211,6 @@ class ShardHeader:
                 f"header says {header.nbytes} bytes for {header.dtype} of shape "
                 f"{list(header.shape)}",
             )
-        if at >= 0 and body.endswith(b"}\n") and digits.isdigit():
-            if len(_checked_prefixes) >= _CHECKED_PREFIXES_MAX:
-                _checked_prefixes.clear()
-            _checked_prefixes[prefix] = (header.key, header.dtype, header.shape, header.nbytes, header.version)
-        if expected_key is not None and header.key != expected_key:
-            raise _corrupt(path, expected_key, f"it holds key {header.key!r}")
         return header
 
 
