@@ -11,7 +11,8 @@ For every size it builds one random synthetic workload (``Workload.from_rows``, 
 0.05-2 with conditional use, 10% chunks, 10% frozen, 2% of the homes pinned) and times
 ``planner.solve`` end to end - building the simulator, the linear scores, choosing the homes, every
 simulation, the placement and scores tables - ``--repeats`` times; the table shows the median.
-Columns:
+The header also gives the seconds of a pure-Python loop of 10^7 additions, so that solve times
+from machines (or days) of different speed can be compared. Columns:
 
 * ``shards``, ``method`` (greedy / milp) and ``path``: the greedy re-simulates every candidate up to
   ``resimulate_max_homes`` movable homes (512 by default) and takes its fast path above
@@ -80,6 +81,20 @@ def workload(n: int, seed: int, regime: str) -> Workload:
                               fetch_overhead_s=5e-5, **settings)
 
 
+def python_speed_s() -> float:
+    """Seconds this interpreter takes for 10^7 additions in a loop, the best of three: how fast
+    the machine runs pure Python now (the solver's time scales with it; the dev VM's varies by 2x
+    from day to day)."""
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(10_000_000):
+            total += i
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def run_one(wl: Workload, cm, room: int, method: str, repeats: int, **kw) -> dict:
     plans, seconds = [], []
     for _ in range(repeats):
@@ -115,7 +130,8 @@ def main(argv=None) -> int:
     sizes = [int(float(x)) for x in args.shards.split(",")]
     methods = args.methods.split(",")
     print(f"solver scale: regime {args.regime}, budget {args.budget:.0%} of all homes, median of {args.repeats}; "
-          f"{platform.node()} ({platform.processor() or platform.machine()}), python {platform.python_version()}")
+          f"{platform.node()} ({platform.processor() or platform.machine()}), python {platform.python_version()}; "
+          f"10^7 additions in a Python loop: {python_speed_s():.2f} s")
     print(f"{'shards':>7} {'method':<7} {'path':<6} {'solve_s':>8} {'sim_s':>7} {'own_s':>7} {'sims':>5} "
           f"{'step_s':>8}  dram used / room")
     rows = []

@@ -14,6 +14,7 @@
 #   scripts/h200.sh planner-gpu gpt|moe [ROUNDS] [SECONDS]  # the same with the H200 computing (zinf.device cuda)
 #   scripts/h200.sh moe-gap    # the skewed MoE at 30% on the GPU: step_phases (both clocks) beside the side-by-side
 #                              # benchmark, one engine at a time and in blocks (the 0.146 vs 0.178 s question), 3 rounds
+#   scripts/h200.sh solver     # the planner's solve time at 10^3-10^5 shards on this host's CPU (benchmarks/solver_scale.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -83,6 +84,10 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload moe --budgets 0.3 \
       --rounds 3 --warmup 40 --steps 32 --replan-every 8 --log-plans > "$OUT/moe_gap_side_by_side.txt" 2>&1
     grep -A3 "loop_s" "$OUT/moe_gap_step_phases.txt"; tail -n 3 "$OUT/moe_gap_block0.txt" "$OUT/moe_gap_side_by_side.txt" ;;
+  solver)
+    install
+    timeout 200 python3 benchmarks/solver_scale.py --shards 1000,10000,100000 --repeats 5 > "$OUT/solver_scale.txt" 2>&1
+    cat "$OUT/solver_scale.txt" ;;
   *)
     sed -n 2,17p "$0"; exit 2 ;;
 esac
