@@ -14,6 +14,7 @@
 #   scripts/h200.sh planner-gpu gpt|moe [ROUNDS] [SECONDS]  # the same with the H200 computing (zinf.device cuda)
 #   scripts/h200.sh moe-gap    # the skewed MoE at 30% on the GPU: step_phases (both clocks) beside the side-by-side
 #                              # benchmark, one engine at a time and in blocks (the 0.146 vs 0.178 s question), 3 rounds
+#   scripts/h200.sh issue5     # one call: the MoE at 30% side by side (3 rounds), its step_phases, the GPT at 30% (1 round)
 #   scripts/h200.sh solver     # the planner's solve time at 10^3-10^5 shards on this host's CPU (benchmarks/solver_scale.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -84,10 +85,22 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload moe --budgets 0.3 \
       --rounds 3 --warmup 40 --steps 32 --replan-every 8 --log-plans > "$OUT/moe_gap_side_by_side.txt" 2>&1
     grep -A3 "loop_s" "$OUT/moe_gap_step_phases.txt"; tail -n 3 "$OUT/moe_gap_block0.txt" "$OUT/moe_gap_side_by_side.txt" ;;
+  issue5)  # what moe-gap measures less the one-at-a-time run, and the dense GPT at 30%, in one 10-minute call
+    install
+    export OMP_NUM_THREADS=8
+    timeout 290 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload moe --budgets 0.3 \
+      --rounds 3 --warmup 40 --steps 32 --replan-every 8 --log-plans > "$OUT/moe_30_side_by_side.txt" 2>&1
+    rm -rf /tmp/pp
+    timeout 110 python3 benchmarks/step_phases.py --path /tmp/sp --device cuda --workload moe --budget 0.3 \
+      --policies nvme,adaptive --warmup 40 --steps 32 > "$OUT/moe_30_step_phases.txt" 2>&1
+    rm -rf /tmp/sp
+    timeout 170 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload gpt --budgets 0.3 \
+      --rounds 1 --warmup 40 --steps 32 --replan-every 8 --log-plans > "$OUT/gpt_30_side_by_side.txt" 2>&1
+    grep -h "at 30%" "$OUT/moe_30_side_by_side.txt" "$OUT/gpt_30_side_by_side.txt"; grep -A3 "loop_s" "$OUT/moe_30_step_phases.txt" ;;
   solver)
     install
     timeout 200 python3 benchmarks/solver_scale.py --shards 1000,10000,100000 --repeats 5 > "$OUT/solver_scale.txt" 2>&1
     cat "$OUT/solver_scale.txt" ;;
   *)
-    sed -n 2,17p "$0"; exit 2 ;;
+    sed -n 2,18p "$0"; exit 2 ;;
 esac
