@@ -5,4 +5,4 @@ setup:
 demo: setup
 	.venv/bin/zinf demo
 test: setup
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=15
