@@ -11,8 +11,11 @@ For every size it builds one random synthetic workload (``Workload.from_rows``, 
 0.05-2 with conditional use, 10% chunks, 10% frozen, 2% of the homes pinned) and times
 ``planner.solve`` end to end - building the simulator, the linear scores, choosing the homes, every
 simulation, the placement and scores tables - ``--repeats`` times; the table shows the median.
-The header also gives the seconds of a pure-Python loop of 10^7 additions, so that solve times
-from machines (or days) of different speed can be compared. Columns:
+The header also gives the seconds of a pure-Python loop of 10^7 additions: a coarse reference for
+the interpreter's speed on this machine. It does not normalise the solve times: on 2026-12-07 the
+dev VM's loop stayed at 0.38-0.41 s while the 10^5-shard solve moved between 1.0 and 1.5 s (the
+simulation walks lists and heaps of 10^5 entries, so the host's memory contention moves it more).
+Columns:
 
 * ``shards``, ``method`` (greedy / milp) and ``path``: the greedy re-simulates every candidate up to
   ``resimulate_max_homes`` movable homes (512 by default) and takes its fast path above
@@ -83,8 +86,7 @@ def workload(n: int, seed: int, regime: str) -> Workload:
 
 def python_speed_s() -> float:
     """Seconds this interpreter takes for 10^7 additions in a loop, the best of three: how fast
-    the machine runs pure Python now (the solver's time scales with it; the dev VM's varies by 2x
-    from day to day)."""
+    the machine runs pure Python now (a coarse reference: see the module docstring)."""
     best = math.inf
     for _ in range(3):
         t0 = time.perf_counter()

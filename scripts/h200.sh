@@ -29,6 +29,16 @@ install() {  # wheels into /tmp/site once per machine; DeepSpeed's only when ask
     ldconfig
   fi
 }
+moe_side_by_side() {  # SECONDS FILE: the skewed MoE at 30% on the GPU, the three policies side by side, 3 rounds
+  timeout "$1" python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload moe --budgets 0.3 \
+    --rounds 3 --warmup 40 --steps 32 --replan-every 8 --log-plans > "$2" 2>&1
+  rm -rf /tmp/pp
+}
+moe_step_phases() {  # SECONDS FILE: the same MoE's phases, all-NVMe and adaptive one at a time (both clocks)
+  timeout "$1" python3 benchmarks/step_phases.py --path /tmp/sp --device cuda --workload moe --budget 0.3 \
+    --policies nvme,adaptive --warmup 40 --steps 32 > "$2" 2>&1
+  rm -rf /tmp/sp
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 case "${1:-}" in
   tests)
@@ -78,22 +88,17 @@ case "${1:-}" in
   moe-gap)  # (the steady state starts at step 40: trials and their confirmation end by step 32)
     install
     export OMP_NUM_THREADS=8
-    timeout 120 python3 benchmarks/step_phases.py --path /tmp/sp --device cuda --workload moe --budget 0.3 \
-      --policies nvme,adaptive --warmup 40 --steps 32 > "$OUT/moe_gap_step_phases.txt" 2>&1
+    moe_step_phases 120 "$OUT/moe_gap_step_phases.txt"
     timeout 150 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload moe --budgets 0.3 \
       --policies nvme,adaptive --rounds 1 --block 0 --warmup 40 --steps 32 --replan-every 8 > "$OUT/moe_gap_block0.txt" 2>&1
-    timeout 300 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload moe --budgets 0.3 \
-      --rounds 3 --warmup 40 --steps 32 --replan-every 8 --log-plans > "$OUT/moe_gap_side_by_side.txt" 2>&1
+    rm -rf /tmp/pp
+    moe_side_by_side 300 "$OUT/moe_gap_side_by_side.txt"
     grep -A3 "loop_s" "$OUT/moe_gap_step_phases.txt"; tail -n 3 "$OUT/moe_gap_block0.txt" "$OUT/moe_gap_side_by_side.txt" ;;
   issue5)  # what moe-gap measures less the one-at-a-time run, and the dense GPT at 30%, in one 10-minute call
     install
     export OMP_NUM_THREADS=8
-    timeout 290 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload moe --budgets 0.3 \
-      --rounds 3 --warmup 40 --steps 32 --replan-every 8 --log-plans > "$OUT/moe_30_side_by_side.txt" 2>&1
-    rm -rf /tmp/pp
-    timeout 110 python3 benchmarks/step_phases.py --path /tmp/sp --device cuda --workload moe --budget 0.3 \
-      --policies nvme,adaptive --warmup 40 --steps 32 > "$OUT/moe_30_step_phases.txt" 2>&1
-    rm -rf /tmp/sp
+    moe_side_by_side 290 "$OUT/moe_30_side_by_side.txt"
+    moe_step_phases 110 "$OUT/moe_30_step_phases.txt"
     timeout 170 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload gpt --budgets 0.3 \
       --rounds 1 --warmup 40 --steps 32 --replan-every 8 --log-plans > "$OUT/gpt_30_side_by_side.txt" 2>&1
     grep -h "at 30%" "$OUT/moe_30_side_by_side.txt" "$OUT/gpt_30_side_by_side.txt"; grep -A3 "loop_s" "$OUT/moe_30_step_phases.txt" ;;
