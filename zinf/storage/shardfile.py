@@ -95,6 +95,12 @@ def _checksum_mismatch(path: Path, key: str | None, header: "ShardHeader", crc: 
     )
 
 
+# The header's last field, as json.dumps writes it after the others: _header_json_prefix checks
+# that it does, and ShardHeader.decode finds the CRC's digits after it (JSON escapes a key's
+# quotes, so these bytes can only be the field itself)
+_CRC_FIELD = b', "crc32": '
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _header_json_prefix(version: int, key: str, dtype: torch.dtype, shape: tuple, nbytes: int) -> bytes:
     """The header up to the CRC's digits. A shard is rewritten every step with only its CRC
@@ -102,13 +108,10 @@ def _header_json_prefix(version: int, key: str, dtype: torch.dtype, shape: tuple
     body = {"version": version, "key": key, "dtype": _dtype_name(dtype), "shape": list(shape),
             "nbytes": nbytes, "crc32": 0}
     text = json.dumps(body, ensure_ascii=True)
-    assert text.endswith(', "crc32": 0}')
+    assert text.endswith(_CRC_FIELD.decode("ascii") + "0}")  # (what ShardHeader.decode looks for)
     return MAGIC + b"\n" + text[: -len("0}")].encode("ascii")
 
 
-# The header's last field, as _header_json_prefix writes it (JSON escapes a key's quotes, so these
-# bytes can only be the field itself)
-_CRC_FIELD = b', "crc32": '
 # header bytes up to the CRC's digits -> (key, dtype, shape, nbytes, version), each already checked
 # by a full decode: a shard's file is read with the same header every step but its CRC (a JSON
 # parse and its checks cost ~7 us a read on a request thread, holding the GIL)
