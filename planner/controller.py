@@ -163,6 +163,16 @@ class ControllerSettings:
     moved by > 25% (L1) within ~10 steps on noise alone, which dropped the realised-gain evidence
     in steady state. None: the L1 test alone."""
 
+    shift_z: float = 6.0
+    """How far beyond their noise the newest steps' accesses (the short EWMA) must have moved from
+    the long run's for a plan to be a reaction to a routing change (:meth:`AdaptiveController.
+    accesses_shifted`; the same chi-square as ``change_z``, tested at every plan). A reaction plans
+    from a few steps' accesses and lifts the ping-pong hold, so a false one moves homes there and
+    back. On the benchmark MoE at 30% (steady routing, 16 tokens a step) the statistic reached 3.9
+    at one step of 60 on the VM, and on an H100 two of three rounds reacted to such a step (plans
+    adopted and reverted in steady state: churn 39% of the budget); a routing change reached 6.7
+    two steps after it and 12-13 three and four steps after."""
+
     rate_dispersion: float = 3.0
     """Variance over mean of a shard's accesses per step: each call of a module is a forward, a
     backward and an optimizer access of its shard together (counts in groups of ~3, so their
@@ -735,9 +745,10 @@ class AdaptiveController:
         """Whether the newest steps' accesses per step (``short``: the short EWMA) have moved away
         from the long run's (``long``) by more than ``retry_rate_change`` (L1 over the shards
         whose accesses vary: a dense shard's, the same in both, would dilute a routing change)
-        and beyond the noise of their difference (:meth:`_beyond_noise`): a routing change, seen
-        across all shards together a few steps after it, when no single home's accesses can yet
-        tell it from noise. Tested at every plan but the first. Needs ``change_z``."""
+        and by more than ``shift_z`` standard deviations of the noise of their difference
+        (:meth:`_beyond_noise`): a routing change, seen across all shards together a few steps
+        after it, when no single home's accesses can yet tell it from noise. Tested at every plan
+        but the first. Needs ``change_z`` (the noise model)."""
         if self.settings.change_z is None:
             return False
         # Both EWMAs read the same steps: their difference varies as the weights' difference says
@@ -745,18 +756,18 @@ class AdaptiveController:
         # two EWMAs' own variances added, which count the newest steps' noise twice.
         n = 2.0 * ewma_difference_steps(self._short_halflife, self._long_halflife_at(self._step_now),
                                         self._rate_series_steps(self._step_now))
-        return self._beyond_noise(short, long, n, n, varying_only=True)
+        return self._beyond_noise(short, long, n, n, varying_only=True, z=self.settings.shift_z)
 
     def _beyond_noise(self, a: "pd.Series", b: "pd.Series", a_steps: float, b_steps: float,
-                      varying_only: bool = False) -> bool:
+                      varying_only: bool = False, z: float | None = None) -> bool:
         """Whether two accesses-per-step vectors, EWMAs over ``a_steps`` and ``b_steps`` effective
         steps, differ by at least ``retry_rate_change`` (L1; ``varying_only``: over the shards
-        whose values differ) and by more than ``change_z`` standard deviations of their noise
-        (:func:`_change_z`, capped as the last profile read says)."""
+        whose values differ) and by more than ``z`` (default ``change_z``) standard deviations of
+        their noise (:func:`_change_z`, capped as the last profile read says)."""
         s = self.settings
         if _rate_change(a, b, varying_only=varying_only) < s.retry_rate_change:
             return False
-        return _change_z(a, b, a_steps, s.rate_dispersion, b_steps, caps=self._caps) > s.change_z
+        return _change_z(a, b, a_steps, s.rate_dispersion, b_steps, caps=self._caps) > (s.change_z if z is None else z)
 
     def _rate_window(self, step: int) -> int:
         """Steps of accesses a plan after ``step`` reads: ``rate_window_periods`` re-plan periods,

@@ -692,6 +692,36 @@ def test_a_routing_change_is_seen_across_all_shards_a_few_steps_after_it():
     assert not AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(change_z=None)).accesses_shifted(moved, long)
 
 
+def test_a_shift_must_stand_well_beyond_the_noise_a_spike_of_steady_routing_is_none():
+    """A reaction needs the chi-square of the two EWMAs' difference ``shift_z`` (6) standard
+    deviations above its mean, not ``change_z``'s 3: steady routing on the benchmark MoE reached
+    3.9 at one step of 60, and H100 runs reacted to such a step with plans there and back. A
+    move 30% of the way to a new hot set (z ~4) is no shift by default and one at shift_z 3."""
+    import pandas as pd
+
+    from planner.controller import AdaptiveController, ControllerSettings, _change_z
+    from planner.hotness import ewma_difference_steps
+
+    names = [f"e{i}" for i in range(32)]
+
+    def controller(**kw) -> AdaptiveController:
+        c = AdaptiveController("sqlite://", None, 1 << 30,
+                               ControllerSettings(replan_every=8, retry_rate_change=0.25, rate_halflife_periods=2.0, **kw))
+        c._step_now = 40
+        c._caps = pd.Series(3.0, index=names)
+        return c
+
+    long = pd.Series([2.8 if i < 8 else 0.4 for i in range(32)], index=names)
+    moved = pd.Series([0.4 if i < 8 else (2.8 if i < 16 else 0.4) for i in range(32)], index=names)
+    partly = long + 0.3 * (moved - long)
+    c = controller()
+    n = 2.0 * ewma_difference_steps(c._short_halflife, c._long_halflife_at(40), c._rate_series_steps(40))
+    assert 3.0 < _change_z(partly, long, n, c.settings.rate_dispersion, n, caps=c._caps) < 6.0
+    assert not c.accesses_shifted(partly, long)
+    assert controller(shift_z=3.0).accesses_shifted(partly, long)
+    assert c.accesses_shifted(moved, long)
+
+
 def test_the_steps_a_placement_is_judged_on_leave_out_the_planning_and_migration():
     """after_step measures the previous step less what it spent in that step itself (planning,
     up to a second on the MoE) and less the step's migration seconds: a placement's noise and
