@@ -15,6 +15,7 @@
 #   scripts/h200.sh moe-gap    # the skewed MoE at 30% on the GPU: step_phases (both clocks) beside the side-by-side
 #                              # benchmark, one engine at a time and in blocks (the 0.146 vs 0.178 s question), 3 rounds
 #   scripts/h200.sh issue5     # one call: the MoE at 30% side by side (3 rounds), its step_phases, the GPT at 30% (1 round)
+#   scripts/h200.sh moe30      # the MoE at 30% side by side (3 rounds) alone, with its planner log
 #   scripts/h200.sh solver     # the planner's solve time at 10^3-10^5 shards on this host's CPU (benchmarks/solver_scale.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -102,6 +103,12 @@ case "${1:-}" in
     timeout 170 python3 benchmarks/planner_policies.py --path /tmp/pp --device cuda --workload gpt --budgets 0.3 \
       --rounds 1 --warmup 40 --steps 32 --replan-every 8 --log-plans > "$OUT/gpt_30_side_by_side.txt" 2>&1
     grep -h "at 30%" "$OUT/moe_30_side_by_side.txt" "$OUT/gpt_30_side_by_side.txt"; grep -A3 "loop_s" "$OUT/moe_30_step_phases.txt" ;;
+  moe30)
+    install
+    export OMP_NUM_THREADS=8
+    moe_side_by_side 290 "$OUT/moe_30_side_by_side.txt"
+    grep "zinf planner\|round " "$OUT/moe_30_side_by_side.txt" | cut -c1-160; grep -A5 "moe results" "$OUT/moe_30_side_by_side.txt" | cut -c1-330
+    grep -h "at 30%" "$OUT/moe_30_side_by_side.txt" ;;
   solver)
     install
     timeout 200 python3 benchmarks/solver_scale.py --shards 1000,10000,100000 --repeats 5 > "$OUT/solver_scale.txt" 2>&1
