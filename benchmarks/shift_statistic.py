@@ -26,8 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.controller import AdaptiveController, ControllerSettings, _change_z, _rate_change, _rates  # noqa: E402
-from planner.hotness import ewma_difference_steps  # noqa: E402
+from planner.controller import AdaptiveController, ControllerSettings, _rate_change, _rates  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 
 
@@ -61,8 +60,7 @@ def main() -> None:
                                    short_halflife_steps=c._short_halflife, until_step=step)
         c._caps = wl.shards["accesses_max"].astype(float).set_axis(wl.shards["shard"])
         short, long = _rates(wl, "short"), _rates(wl, "long")
-        n = 2.0 * ewma_difference_steps(c._short_halflife, c._long_halflife_at(step), c._rate_series_steps(step))
-        z = _change_z(short, long, n, s.rate_dispersion, n, caps=c._caps)
+        z = c.shift_statistic(short, long)
         l1 = _rate_change(short, long, varying_only=True)
         moved = l1 >= s.retry_rate_change
         print(f"{step:>5} {z:>7.2f} {l1:>6.3f}  {'yes' if moved and z > s.change_z else 'no':>3} / "

@@ -749,25 +749,33 @@ class AdaptiveController:
         (:meth:`_beyond_noise`): a routing change, seen across all shards together a few steps
         after it, when no single home's accesses can yet tell it from noise. Tested at every plan
         but the first. Needs ``change_z`` (the noise model)."""
-        if self.settings.change_z is None:
+        s = self.settings
+        if s.change_z is None:
             return False
+        if _rate_change(short, long, varying_only=True) < s.retry_rate_change:
+            return False
+        return self.shift_statistic(short, long) > s.shift_z
+
+    def shift_statistic(self, short: "pd.Series", long: "pd.Series") -> float:
+        """The z that :meth:`accesses_shifted` holds against ``shift_z``: the chi-square of the
+        short EWMA's accesses per step against the long one's (:func:`_change_z`), over the noise
+        of their difference at the current step."""
         # Both EWMAs read the same steps: their difference varies as the weights' difference says
         # (_change_z adds two variances, each over twice its effective steps): 0.6-0.8 of the
         # two EWMAs' own variances added, which count the newest steps' noise twice.
         n = 2.0 * ewma_difference_steps(self._short_halflife, self._long_halflife_at(self._step_now),
                                         self._rate_series_steps(self._step_now))
-        return self._beyond_noise(short, long, n, n, varying_only=True, z=self.settings.shift_z)
+        return _change_z(short, long, n, self.settings.rate_dispersion, n, caps=self._caps)
 
-    def _beyond_noise(self, a: "pd.Series", b: "pd.Series", a_steps: float, b_steps: float,
-                      varying_only: bool = False, z: float | None = None) -> bool:
+    def _beyond_noise(self, a: "pd.Series", b: "pd.Series", a_steps: float, b_steps: float) -> bool:
         """Whether two accesses-per-step vectors, EWMAs over ``a_steps`` and ``b_steps`` effective
-        steps, differ by at least ``retry_rate_change`` (L1; ``varying_only``: over the shards
-        whose values differ) and by more than ``z`` (default ``change_z``) standard deviations of
-        their noise (:func:`_change_z`, capped as the last profile read says)."""
+        steps, differ by at least ``retry_rate_change`` (L1) and by more than ``change_z``
+        standard deviations of their noise (:func:`_change_z`, capped as the last profile read
+        says)."""
         s = self.settings
-        if _rate_change(a, b, varying_only=varying_only) < s.retry_rate_change:
+        if _rate_change(a, b) < s.retry_rate_change:
             return False
-        return _change_z(a, b, a_steps, s.rate_dispersion, b_steps, caps=self._caps) > (s.change_z if z is None else z)
+        return _change_z(a, b, a_steps, s.rate_dispersion, b_steps, caps=self._caps) > s.change_z
 
     def _rate_window(self, step: int) -> int:
         """Steps of accesses a plan after ``step`` reads: ``rate_window_periods`` re-plan periods,

@@ -699,8 +699,7 @@ def test_a_shift_must_stand_well_beyond_the_noise_a_spike_of_steady_routing_is_n
     move 30% of the way to a new hot set (z ~4) is no shift by default and one at shift_z 3."""
     import pandas as pd
 
-    from planner.controller import AdaptiveController, ControllerSettings, _change_z
-    from planner.hotness import ewma_difference_steps
+    from planner.controller import AdaptiveController, ControllerSettings
 
     names = [f"e{i}" for i in range(32)]
 
@@ -715,8 +714,7 @@ def test_a_shift_must_stand_well_beyond_the_noise_a_spike_of_steady_routing_is_n
     moved = pd.Series([0.4 if i < 8 else (2.8 if i < 16 else 0.4) for i in range(32)], index=names)
     partly = long + 0.3 * (moved - long)
     c = controller()
-    n = 2.0 * ewma_difference_steps(c._short_halflife, c._long_halflife_at(40), c._rate_series_steps(40))
-    assert 3.0 < _change_z(partly, long, n, c.settings.rate_dispersion, n, caps=c._caps) < 6.0
+    assert 3.0 < c.shift_statistic(partly, long) < 6.0
     assert not c.accesses_shifted(partly, long)
     assert controller(shift_z=3.0).accesses_shifted(partly, long)
     assert c.accesses_shifted(moved, long)
