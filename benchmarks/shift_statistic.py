@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planner.controller import AdaptiveController, ControllerSettings, _rate_change, _rates  # noqa: E402
-from planner.workload import Workload  # noqa: E402
 
 
 def steps_of(text: str) -> list[int]:
@@ -55,9 +54,7 @@ def main() -> None:
     print(f"{'step':>5} {'z':>7} {'L1':>6}  shift at change_z / at shift_z")
     for step in steps_of(args.steps):
         c._step_now = step
-        wl = Workload.from_profile(url, run, last_steps=2, rate_steps=max(2, c._rate_window(step)), rate="long",
-                                   long_halflife_steps=c._long_halflife_at(step),
-                                   short_halflife_steps=c._short_halflife, until_step=step)
+        wl = c.read_profile(run, step, "long", timing_steps=2)  # (timings do not enter the test)
         c._caps = wl.shards["accesses_max"].astype(float).set_axis(wl.shards["shard"])
         short, long = _rates(wl, "short"), _rates(wl, "long")
         z = c.shift_statistic(short, long)

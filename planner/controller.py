@@ -1277,6 +1277,21 @@ class AdaptiveController:
             self._skip(str(e))
             return None
 
+    def read_profile(self, run_id: int, step: int, rate: str, timing_steps: int,
+                     announced_reads: bool = False) -> Workload:
+        """The run's profile up to ``step`` as a plan made right after it reads it: timings from
+        the last ``timing_steps`` steps (at least 2, at most ``window_steps``), access rates from
+        the rate window with ``rate`` ("long" or "short") EWMA filling the phase columns.
+        ``benchmarks/shift_statistic.py`` replays the shift test through this same read."""
+        s = self.settings
+        wl = Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, timing_steps)),
+                                   rate_steps=max(2, self._rate_window(step)), rate=rate,
+                                   long_halflife_steps=self._long_halflife_at(step),
+                                   short_halflife_steps=self._short_halflife, until_step=step,
+                                   measured_update=self._update_timing)
+        wl = replace(wl, announced_reads=announced_reads)
+        return wl if self._io_cpu is None else wl.with_io_cpu(*self._io_cpu)
+
     def _plan(self, engine, step: int, drifted: bool = False, before_s: float | None = None) -> list[Move] | None:
         s = self.settings
         self.recorder.flush()
@@ -1298,15 +1313,11 @@ class AdaptiveController:
         # Timings come from the steps of the placement in force; access rates, which no placement
         # changes, from up to rate_window_periods re-plan periods, so that a few tokens a step do
         # not make every plan chase noise (churn).
+        # (the engine knows whether the model announces its routed modules; the profile does not)
+        announced = bool(getattr(engine, "announced_reads", False))
+
         def profile(rate: str) -> Workload:
-            wl = Workload.from_profile(self.url, run_id, last_steps=max(2, min(s.window_steps, since)),
-                                       rate_steps=max(2, self._rate_window(step)), rate=rate,
-                                       long_halflife_steps=self._long_halflife_at(step),
-                                       short_halflife_steps=self._short_halflife, until_step=step,
-                                       measured_update=self._update_timing)
-            # (the engine knows whether the model announces its routed modules; the profile does not)
-            wl = replace(wl, announced_reads=bool(getattr(engine, "announced_reads", False)))
-            return wl if self._io_cpu is None else wl.with_io_cpu(*self._io_cpu)
+            return self.read_profile(run_id, step, rate, timing_steps=since, announced_reads=announced)
 
         workload = profile("long")
         if "accesses_max" in workload.shards:
