@@ -630,6 +630,20 @@ def print_table(w: Workload, cells: dict[float, dict[str, Cell]]) -> None:
           "kept only if measured faster, over the whole run)")
 
 
+def block_ratios(num: Run, den: Run, block: int, first_step: int) -> list[float]:
+    """``num``'s block median over ``den``'s, for every block of ``block`` steps from
+    ``first_step`` on that both measured (steps right after a pause are not)."""
+    def blocks(run: Run) -> dict[int, list[float]]:  # the measured steps' seconds, by block
+        out: dict[int, list[float]] = {}
+        for step, sec, _ in run.per_step:
+            if step not in run.cold_steps and step >= first_step:
+                out.setdefault(step // block, []).append(sec)
+        return out
+
+    n_blocks, d_blocks = blocks(num), blocks(den)
+    return [statistics.median(n_blocks[k]) / statistics.median(d_blocks[k]) for k in d_blocks if k in n_blocks]
+
+
 def paired_speed(adaptive: Cell, static: Cell, block: int) -> tuple[float, float, float, int] | None:
     """Best static's step over adaptive's, block by block: side by side, the policies' blocks of
     ``block`` steps follow each other within seconds, so a slow phase of a shared machine falls
@@ -639,18 +653,8 @@ def paired_speed(adaptive: Cell, static: Cell, block: int) -> tuple[float, float
     number of pairs; None when the runs were not side by side."""
     if block <= 0:
         return None
-
-    def blocks(run: Run) -> dict[int, list[float]]:  # the measured steps' seconds, by block
-        out: dict[int, list[float]] = {}
-        for step, sec, _ in run.per_step:
-            if step not in run.cold_steps and step >= run.measured_from:
-                out.setdefault(step // block, []).append(sec)
-        return out
-
-    ratios = []
-    for a_run, s_run in zip(adaptive.runs, static.runs):
-        a_blocks, s_blocks = blocks(a_run), blocks(s_run)
-        ratios += [statistics.median(s_blocks[k]) / statistics.median(a_blocks[k]) for k in a_blocks if k in s_blocks]
+    ratios = [r for a_run, s_run in zip(adaptive.runs, static.runs)
+              for r in block_ratios(s_run, a_run, block, a_run.measured_from)]
     if len(ratios) < 2:
         return None
     q1, med, q3 = statistics.quantiles(ratios, n=4)
@@ -735,6 +739,11 @@ def drift_run(w: Workload, budgets: list[float], swap: Path, args, cells: dict[f
             ratio = statistics.median(after) / settled
             print(f"  reference: adaptive on the new routing (seed {seed}) from step 0, last {args.steps} steps "
                   f"{settled:.3f} s; the drifted run's last {args.steps} / that = {ratio:.2f}")
+            # side by side, a slow phase of a shared machine falls on both blocks of a pair
+            paired = block_ratios(run, reference, args.block, total - args.steps) if args.block else []
+            if len(paired) >= 2:
+                q1, med, q3 = statistics.quantiles(paired, n=4)
+                print(f"  paired block by block: {med:.2f}x (quartiles {q1:.2f}-{q3:.2f}, {len(paired)} pairs)")
         planned = periods is not None and periods <= DRIFT_PLAN_PERIODS
         recovered = ratio is not None and ratio <= 1 + DRIFT_RECOVERED
         verdicts.append(f"drift at {b:.0%}: "
