@@ -502,21 +502,28 @@ def test_realised_gains_under_other_accesses_are_not_used():
 
 
 def test_a_landed_plan_is_reverted_when_slower_or_when_a_clear_promise_bought_nothing():
-    """_failed_by: slower than before by more than revert_fraction; or no faster at all while the
-    model promised at least revert_fraction (and the steps' noise) of the step; else kept."""
+    """_failed_by: slower than before by more than revert_fraction and the noise of the two
+    medians compared; or no faster at all while the model promised at least revert_fraction (and
+    the steps' noise) of the step; else kept."""
     import pandas as pd
 
     from planner.controller import AdaptiveController, ControllerSettings, _Check
 
     c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(revert_fraction=0.05))
     check = _Check(step=8, before_s=1.0, before={}, predicted_s=0.98, rates=pd.Series(dtype=float), model_gain_s=0.02)
-    assert c._failed_by(check, 1.06).startswith("slower")
-    assert c._failed_by(check, 1.04) is None  # a 2% promise: within the band, noise
+    assert c._failed_by(check, 1.06, 5).startswith("slower")
+    assert c._failed_by(check, 1.04, 5) is None  # a 2% promise: within the band, noise
     promised = _Check(8, 1.0, {}, 0.7, pd.Series(dtype=float), model_gain_s=0.3)
-    assert c._failed_by(promised, 1.0).startswith("no clear gain")  # 30% promised, nothing bought
-    assert c._failed_by(promised, 0.99) is None  # it bought something: kept
+    assert c._failed_by(promised, 1.0, 5).startswith("no clear gain")  # 30% promised, nothing bought
+    assert c._failed_by(promised, 0.99, 5) is None  # it bought something: kept
     c._placement_s[-1] += [1.0, 1.5, 0.5, 1.0, 1.5, 0.5, 1.0]  # steps as noisy as the promise: kept
-    assert c.step_noise > 0.3 and c._failed_by(promised, 1.01) is None
+    assert c.step_noise > 0.3 and c._failed_by(promised, 1.01, 5) is None
+    # slower by more than 5% but within the noise of two 5-step medians: not shown slower, kept;
+    # beyond it, reverted; over more of its steps (judged again) less of a difference is noise
+    noise = c.step_noise
+    assert c._failed_by(check, 1.0 + 0.9 * noise, 5) is None
+    assert c._failed_by(check, 1.0 + 1.1 * noise, 5).startswith("slower by more than")
+    assert c.noise_of(5, 40) < noise and c._failed_by(check, 1.0 + 0.9 * noise, 40) is not None
 
 
 def test_accesses_that_moved_within_their_noise_keep_the_realised_evidence():
@@ -611,14 +618,14 @@ def test_a_gain_within_the_noise_of_a_large_promise_is_no_gain_when_asked_for():
     noise = c.step_noise
     assert 0.01 < noise < 0.03
     promised = _Check(8, 1.0, {}, 0.7, pd.Series(dtype=float), model_gain_s=0.3)
-    assert c._failed_by(promised, 1.0 - noise).startswith("no clear gain")  # 1 sigma of a 30% promise
-    assert c._failed_by(promised, 1.0 - 3 * noise) is None  # beyond 2 sigma: it helped
+    assert c._failed_by(promised, 1.0 - noise, 5).startswith("no clear gain")  # 1 sigma of a 30% promise
+    assert c._failed_by(promised, 1.0 - 3 * noise, 5) is None  # beyond 2 sigma: it helped
     small = _Check(8, 1.0, {}, 0.94, pd.Series(dtype=float), model_gain_s=0.06)
-    assert c._failed_by(small, 1.0 - 0.035) is None  # more than half of what it promised
+    assert c._failed_by(small, 1.0 - 0.035, 5) is None  # more than half of what it promised
     default = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(revert_fraction=0.05, verify_steps=5))
     default._placement_s[-1] += [1.0, 1.02, 0.98, 1.01, 0.99, 1.0, 1.03, 0.97]
-    assert default._failed_by(promised, 1.0 - noise) is None  # a gain, if within the noise: kept
-    assert default._failed_by(promised, 1.001).startswith("no clear gain")  # none at all
+    assert default._failed_by(promised, 1.0 - noise, 5) is None  # a gain, if within the noise: kept
+    assert default._failed_by(promised, 1.001, 5).startswith("no clear gain")  # none at all
 
 def test_the_model_error_of_plans_under_other_accesses_does_not_gate():
     """model_error_for(rates): only plans made from accesses like ``rates`` count, as for the
@@ -646,6 +653,24 @@ def test_steps_that_drifted_are_their_own_regime_for_the_step_noise():
     mixed = c.step_noise
     c._split_drifted()
     assert list(c._placement_s[-1]) == [1.5, 1.52, 1.48]
+    assert c.step_noise < 0.75 * mixed
+
+
+def test_steps_since_a_shift_of_the_accesses_are_their_own_regime_for_the_step_noise():
+    """_split_at_shift: a plan that found the accesses shifted (it moved _rates_from_step on)
+    splits the placement's steps there, as a drift does, so that the steps before and after a
+    routing change about one median do not read as noise; a plan that found no shift splits
+    nothing."""
+    from planner.controller import AdaptiveController, ControllerSettings
+
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings(drift_steps=3, verify_steps=5))
+    c._placement_s[-1] += [1.0, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0, 1.5, 1.52, 1.48, 1.5]  # steps 1-11
+    mixed = c.step_noise
+    c._split_at_shift(0, 11)  # no shift found: nothing moves
+    assert len(c._placement_s) == 1 and c.step_noise == mixed
+    c._rates_from_step = 7  # a reaction after step 11 read the accesses after step 7
+    c._split_at_shift(0, 11)
+    assert list(c._placement_s[-1]) == [1.5, 1.52, 1.48, 1.5] and len(c._placement_s[-2]) == 7
     assert c.step_noise < 0.75 * mixed
 
 
@@ -1018,12 +1043,12 @@ def test_a_trial_is_judged_by_whether_it_measured_faster_alone():
     c = AdaptiveController("sqlite://", None, 1 << 30)
     trial = _Check(step=8, before_s=0.500, before={}, predicted_s=0.510, rates=None, model_gain_s=-0.010,
                    trial=True, mode=(True, True, True, True))
-    assert "a trial, not faster" in c._failed_by(trial, 0.500)
-    assert "prefetch+write-behind+read-ahead+updates in backward" in c._failed_by(trial, 0.501)
-    assert c._failed_by(trial, 0.499) is None
+    assert "a trial, not faster" in c._failed_by(trial, 0.500, 5)
+    assert "prefetch+write-behind+read-ahead+updates in backward" in c._failed_by(trial, 0.501, 5)
+    assert c._failed_by(trial, 0.499, 5) is None
     # a plan that promised little is kept 2% slower (within revert_fraction, 5%); a trial is not
     plan = _Check(step=8, before_s=0.500, before={}, predicted_s=0.490, rates=None, model_gain_s=0.010)
-    assert c._failed_by(plan, 0.510) is None and c._failed_by(trial, 0.510) is not None
+    assert c._failed_by(plan, 0.510, 5) is None and c._failed_by(trial, 0.510, 5) is not None
 
 
 def test_a_trial_within_the_noise_is_measured_on_and_one_whose_steps_drift_is_judged_on_its_first():
@@ -1046,9 +1071,9 @@ def test_a_trial_within_the_noise_is_measured_on_and_one_whose_steps_drift_is_ju
     within = [0.200 * (1 + noise / 2)] * 5
     assert c._trial_steps(within) is None
     assert c._trial_steps(within * 2) == within * 2  # trial_verify_steps measured: judged on all
-    assert c._failed_by(c._verify, 0.200 * (1 + noise / 2)) is not None  # (and not faster: reverted)
+    assert c._failed_by(c._verify, 0.200 * (1 + noise / 2), 5) is not None  # (and not faster: reverted)
     clear = [0.200 * (1 - 2 * noise)] * 5
-    assert c._trial_steps(clear) == clear and c._failed_by(c._verify, clear[0]) is None
+    assert c._trial_steps(clear) == clear and c._failed_by(c._verify, clear[0], 5) is None
     drifted = within + [0.200 * 1.5] * 3  # the newest 3 steps 50% above the first 5
     assert c._trial_steps(drifted) == within
     assert c._trial_steps(within + [0.200] * 3) is None  # the same level: measured on
