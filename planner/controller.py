@@ -125,7 +125,8 @@ class ControllerSettings:
 
     revert_fraction: float | None = 0.05
     """A plan whose landed placement measures slower than the one it replaced by more than this
-    fraction (median of ``verify_steps`` steps against the plan's own window) is reverted (None:
+    fraction (median of ``verify_steps`` steps against the plan's own window), and by more than
+    the noise of those two medians (:meth:`AdaptiveController.noise_of`), is reverted (None:
     never; ``zinf.placement.revert_fraction``)."""
 
     retry_rate_change: float = 0.25

@@ -621,8 +621,9 @@ class PlacementConfig(_Section):
 
     revert_fraction: float | None = Field(0.05, ge=0)
     """Adaptive: a plan whose placement, once landed, measures slower than the placement it
-    replaced by more than this fraction is reverted, and no similar plan is adopted until the
-    accesses change (null: never revert)."""
+    replaced by more than this fraction - and by more than the steps' noise, on a machine whose
+    steps vary by more - is reverted, and no similar plan is adopted until the accesses change
+    (null: never revert)."""
 
     trial_band: float = Field(0.05, ge=0, lt=1)
     """Adaptive: a plan in an engine mode that has not run yet (which overlap buffers the budget
