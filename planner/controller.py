@@ -2088,11 +2088,7 @@ class AdaptiveController:
         bookkeeping (:attr:`step_noise` measures each step about its own segment's median): after
         a routing change, steps before and after it about one median made the MoE's noise 25-28%
         of the step, and that gate blocked every plan for the new routing for 40 steps."""
-        steps = self._placement_s[-1]
-        n = self.settings.drift_steps
-        if len(steps) > n:
-            self._placement_s[-1] = steps[:-n]
-            self._placement_s.append(steps[-n:])
+        self._split_newest(self.settings.drift_steps)
 
     def _split_at_shift(self, rates_from_before: int, step: int) -> None:
         """After a plan that found the accesses shifted (it moved :attr:`_rates_from_step` on), the
@@ -2102,9 +2098,12 @@ class AdaptiveController:
         26-29% of the step after the reaction (14% before the change), and that gate held back
         every refinement of the reaction (12-14% promised) for the rest of the run, at 1.17x the
         reference's step. Called in the training process, which keeps the measured steps."""
-        if self._rates_from_step <= rates_from_before:
-            return
-        steps, n = self._placement_s[-1], max(0, step - self._rates_from_step)
+        if self._rates_from_step > rates_from_before:
+            self._split_newest(step - self._rates_from_step)
+
+    def _split_newest(self, n: int) -> None:
+        """The newest ``n`` steps of the placement in force become a segment of their own."""
+        steps = self._placement_s[-1]
         if 0 < n < len(steps):
             self._placement_s[-1] = steps[:-n]
             self._placement_s.append(steps[-n:])
