@@ -1086,8 +1086,9 @@ def test_after_a_shift_the_first_plan_to_land_is_a_probe_gated_without_the_model
     """After a shift of the accesses (a routing change), until a plan made since has landed and
     been measured, a plan is a probe: min_gain_fraction leaves the model's error out of its bar
     (the calibration error on the placement in force, which only a landed plan for the new
-    accesses can replace). Before any shift, during the reaction itself, and once such a plan was
-    measured (kept or reverted), plans are held to it as before."""
+    accesses can replace). A measured reaction does not end that. Before any shift, during the
+    reaction itself, and once such a plan was measured (kept or reverted), plans are held to it as
+    before."""
     from planner.controller import AdaptiveController
 
     c = AdaptiveController("sqlite://", None, 1 << 30)
@@ -1100,6 +1101,9 @@ def test_after_a_shift_the_first_plan_to_land_is_a_probe_gated_without_the_model
     assert c._probe_due(shifted=False, realised=None)  # a plan measured before the shift does not count
     assert c.min_gain_fraction(None, None, noise, True, calibration_error) == pytest.approx(0.10)
     assert not c._probe_due(shifted=False, realised=0.5)  # a realised gain for these accesses: scaled instead
+    c.verified.append({"step": 30, "predicted_s": 0.2, "measured_s": 0.26, "before_s": 0.25, "model_gain_s": 0.05,
+                       "reaction": True, "kept": False})
+    assert c._probe_due(shifted=False, realised=None)  # a measured reaction is no probe (planned from few steps)
     c.verified.append({"step": 36, "predicted_s": 0.2, "measured_s": 0.25, "before_s": 0.24, "model_gain_s": 0.04,
                        "kept": False})
     assert not c._probe_due(shifted=False, realised=None)  # the probe landed and was measured (here reverted)
