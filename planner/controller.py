@@ -866,8 +866,7 @@ class AdaptiveController:
                 # landed plans under other accesses; the MoE at 20%: 33-40% off, and a plan for
                 # accesses that moved by noise promised 22% and measured 28% slower) and on the
                 # placement it measures now, whichever is larger
-                since_shift = [v for v in self._verified_like(None) if not v.get("reaction")]
-                known = [e for e in (self._error_of(since_shift), calibration_error) if e is not None]
+                known = [e for e in (self._error_of(self._verified_like(None)), calibration_error) if e is not None]
                 model_term = max(known) if known else None
         return max(floor, noise_term, model_term or 0.0)
 
@@ -887,7 +886,7 @@ class AdaptiveController:
         measured reaction (14-20% promised) met the calibration error on the placement in force,
         30-46%, for the rest of the run."""
         return (self._rates_from_step > 0 and not shifted and realised is None
-                and not [v for v in self._verified_like(None) if not v.get("reaction")])
+                and not self._verified_like(None))
 
     def gain_realised_for(self, rates: "pd.Series | None") -> float | None:
         """:attr:`gain_realised` over the plans made from accesses like ``rates`` only (not
@@ -898,8 +897,8 @@ class AdaptiveController:
 
     def _verified_like(self, rates: "pd.Series | None") -> list[dict]:
         """The entries of :attr:`verified` made from accesses like ``rates`` (not
-        :meth:`_accesses_changed` since), reactions to a shift of the accesses left out; all of
-        them since the last shift for ``rates`` None. A reaction is planned from the few steps since a routing change
+        :meth:`_accesses_changed` since), reactions to a shift of the accesses left out; for
+        ``rates`` None, all but the reactions since the last shift. A reaction is planned from the few steps since a routing change
         (the short EWMA): what it missed by is mostly what those steps got wrong about the new
         accesses, not what the model gets wrong - the MoE at 30%: a reaction 26-49% off gated
         the refinements after it (12-33 ms promised) and its step never recovered. Nor do the
@@ -907,11 +906,11 @@ class AdaptiveController:
         long EWMA lags a routing change by tens of steps, so that for a while the new accesses
         still look like the old ones, whose plans' realised gains then scaled the first reaction
         (the MoE at 20%: x0.40, below the gate, and no plan for 3 periods)."""
-        since = [v for v in self.verified if v.get("step", 0) >= self._rates_from_step]
+        since = [v for v in self.verified if v.get("step", 0) >= self._rates_from_step and not v.get("reaction")]
         if rates is None:
             return since
-        return [v for v in since if not v.get("reaction") and
-                (v.get("rates") is None or not self._accesses_changed(rates, v["rates"], v.get("step")))]
+        return [v for v in since
+                if v.get("rates") is None or not self._accesses_changed(rates, v["rates"], v.get("step"))]
 
     @property
     def gain_realised(self) -> float | None:
@@ -1112,8 +1111,14 @@ class AdaptiveController:
         if self.plan_lag_steps > 0 and self._process_failures < PROCESS_FAILURES_INLINE and self._can_plan_elsewhere():
             self._hand_over(engine, step, drifted, before_s)
             return None
+        return self._plan_here(engine, step, step, drifted, before_s)
+
+    def _plan_here(self, engine, due_step: int, step: int, drifted: bool, before_s: float | None) -> list[Move] | None:
+        """Make the plan due after ``due_step`` on the training thread, now after ``step``: its
+        moves, the plan version moved on when there are any, and the measured steps split at a
+        shift it found (:meth:`_split_at_shift`)."""
         shift_before = self._rates_from_step
-        moves = self._plan_or_skip(engine, step, drifted, before_s)
+        moves = self._plan_or_skip(engine, due_step, drifted, before_s)
         self._split_at_shift(shift_before, step)
         if moves:
             engine.plan_version += 1
@@ -1223,12 +1228,7 @@ class AdaptiveController:
             log.warning("zinf planner: the planning process got no CPU for the plan due after step %d (other work "
                         "keeps the CPUs busy); made on the training thread after step %d", job.step, step)
             self._planned_through = step
-            shift_before = self._rates_from_step
-            moves = self._plan_or_skip(engine, job.step, job.drifted, job.before_s)
-            self._split_at_shift(shift_before, step)
-            if moves:
-                engine.plan_version += 1
-            return moves
+            return self._plan_here(engine, job.step, step, job.drifted, job.before_s)
         try:
             moves, state, calls, lines = job.future.result()
         except PlanningProcessError as e:
