@@ -157,7 +157,8 @@ class Workload:
     param_file_is_master: bool = False
     """fp32 params with both homes on NVMe in one store share the master file (no param rewrite)."""
     aliases_master: bool = False
-    """fp32 on the CPU device: a shard with both homes in DRAM keeps one copy (no param home bytes)."""
+    """fp32: a shard with both homes in DRAM keeps one copy (no param home bytes): on the CPU device
+    the parameter is the master, with a GPU the master is the DRAM home uploads read from."""
     device: str = "cpu"
     """The compute device type: "cpu" or "cuda"."""
     cpu_contention: float = 0.0
@@ -448,7 +449,7 @@ class Workload:
             updates_during_backward=eager,
             dram_updates_during_backward=eager and device == "cuda",
             param_file_is_master=fp32 and same_store,
-            aliases_master=fp32 and device == "cpu",
+            aliases_master=fp32,
             device=device,
             disk_servers=max(2, int(cfg.aio.thread_count)),
             cpu_contention=1.0 if device == "cpu" else 0.0,
@@ -501,7 +502,7 @@ def home_dram_bytes(workload: Workload, param_tiers, optim_tiers) -> np.ndarray:
     """DRAM bytes of each shard's homes for the given tiers (arrays in shard order).
 
     The engine's rule (``Engine._dram_need``): a param home in a DRAM tier costs ``param_bytes``,
-    except when it aliases the master (fp32 on the CPU device, both homes in DRAM: one tensor); an
+    except when it aliases the master (fp32, both homes in DRAM: one tensor); an
     optimizer home in a DRAM tier costs ``optim_bytes + grad_bytes`` (master, moments, gradient).
     """
     df = workload.shards

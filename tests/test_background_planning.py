@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import zinf
-from zinf.placement import Move
+from zinf.placement import Move, ShardPlacement
+from zinf.sizing import DramSizing, ShardSizes
 
 import planner.background
 import planner.controller as pc
@@ -49,6 +50,27 @@ def test_asking_what_a_placement_needs_changes_nothing_and_matches_moving_there(
         # (the engine's own need also counts the overlap buffers it granted)
         assert engine.dram_need == dataclasses.replace(need, overlap_bytes=overlap.total_bytes)
         assert engine.overlap == overlap
+
+
+def test_an_fp32_shard_with_both_homes_in_dram_keeps_one_copy_on_either_device():
+    """fp32, both homes in DRAM: the master is also the param home (on the CPU device the
+    parameter itself, with a GPU the page-locked upload source), so the param home costs no
+    bytes. Two copies stay where the two differ: bf16, an NVMe optimizer home, a param on the GPU."""
+    sh = ShardSizes("w", param_bytes=4096, optim_bytes=3 * 4096, grad_bytes=4096, trainable=True, chunked=False)
+    gpu = DramSizing(shards=(sh,), chains=(((0,), (0,)),), on_cpu=False, fp32=True, staging_bytes=0,
+                     pipeline_write=True, pipeline_read=True, eager_wanted=True)
+    cpu = dataclasses.replace(gpu, on_cpu=True)
+
+    def param_bytes(sizing, param, optim):
+        return sizing.need([ShardPlacement(param, optim)]).param_homes_bytes
+
+    assert param_bytes(gpu, "cpu", "cpu") == param_bytes(cpu, "cpu", "cpu") == 0
+    assert gpu.need([ShardPlacement("cpu", "cpu")]).optim_homes_bytes == 4 * 4096  # master, moments, gradient
+    assert param_bytes(gpu, "cpu", "nvme") == 4096
+    assert param_bytes(dataclasses.replace(gpu, fp32=False), "cpu", "cpu") == 4096
+    assert param_bytes(gpu, "gpu", "cpu") == 0  # on the device: no DRAM at all
+    frozen = dataclasses.replace(gpu, shards=(dataclasses.replace(sh, trainable=False, optim_bytes=0, grad_bytes=0),))
+    assert param_bytes(frozen, "cpu", "cpu") == 4096  # no master to share
 
 
 # ------------------------------------------------------------------ the planning process

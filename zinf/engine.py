@@ -559,6 +559,7 @@ class Engine:
                     st.master = flat
             # param home: working copy in the compute dtype
             if self._aliases_master(st):
+                st.master = self._host_param_home(st.master)  # with CUDA uploads read it: page-locked
                 st.param_home = st.master
             elif st.place.param == "nvme":
                 if not self._param_file_is_master(st):
@@ -1681,8 +1682,8 @@ class Engine:
                     self._write_verified(store, st.key(what), src)
                 else:
                     copies[what] = self._dram_copy(src, tier, fresh)
-                    if what == "param" and tier == "cpu":
-                        copies[what] = self._host_param_home(copies[what])
+                    if tier == "cpu" and (what == "param" or (what == "master" and self._aliases_master(st, new))):
+                        copies[what] = self._host_param_home(copies[what])  # uploads read it
         except BaseException:
             for store, key in written:
                 try:
@@ -1734,6 +1735,10 @@ class Engine:
     def _switch(self, st: ShardState, new: ShardPlacement, copies: dict[str, Tensor]) -> None:
         """Point the catalog (and the model's parameters) at the new homes. Nothing here fails
         halfway: only references change."""
+        # (CUDA) a DRAM master that becomes the param home too is what uploads read: page-locked
+        # (a copy, made before any reference changes)
+        stays = "master" not in copies and st.master is not None and self._aliases_master(st, new)
+        pinned_master = self._host_param_home(st.master) if stays else None
         self._discard_group_reads(st)  # a read ahead of the old home nobody will use
         old = st.place
         st.place = new
@@ -1746,6 +1751,8 @@ class Engine:
                 st.moments = {n: copies[n] for n in self.optimizer.state_names if n in copies}
             else:
                 st.master, st.moments = None, {}
+        if pinned_master is not None:
+            st.master = pinned_master
         if self._aliases_master(st):
             st.param_home = st.master
         elif new.param == "nvme":

@@ -84,9 +84,11 @@ class DramSizing:
         return out
 
     def aliases_master(self, i: int, place: ShardPlacement) -> bool:
-        """Shard ``i``'s fp32 working copy and master in the same DRAM: one tensor serves both."""
-        dram = ("gpu", "cpu")
-        return self.shards[i].trainable and self.fp32 and self.on_cpu and place.param in dram and place.optim in dram
+        """Shard ``i``'s fp32 working copy and master in the same DRAM: one tensor serves both.
+        On the CPU device that tensor is the parameter itself; with a GPU computing it is the
+        DRAM home uploads read from (page-locked), which the update rewrites in place."""
+        dram = ("cpu", "gpu") if self.on_cpu else ("cpu",)
+        return self.shards[i].trainable and self.fp32 and place.param in dram and place.optim in dram
 
     def need(self, places: Sequence[ShardPlacement]) -> DramNeed:
         """The DRAM need (homes, working set, staging; no overlap buffers) of ``places``."""
