@@ -524,6 +524,13 @@ def test_a_landed_plan_is_reverted_when_slower_or_when_a_clear_promise_bought_no
     assert c._failed_by(check, 1.0 + 0.9 * noise, 5) is None
     assert c._failed_by(check, 1.0 + 1.1 * noise, 5).startswith("slower by more than")
     assert c.noise_of(5, 40) < noise and c._failed_by(check, 1.0 + 0.9 * noise, 40) is not None
+    # a trial is kept at first only if faster; judged again (it passed), only slower beyond the noise
+    # reverts it, and what its model promised is not held against it
+    trial = _Check(8, 1.0, {}, 0.7, pd.Series(dtype=float), model_gain_s=0.3, trial=True)
+    assert c._failed_by(trial, 1.001, 5).startswith("a trial, not faster")
+    assert c._failed_by(trial, 0.999, 5) is None
+    assert c._failed_by(trial, 1.0 + 0.9 * c.noise_of(5, 40), 40, again=True) is None
+    assert c._failed_by(trial, 1.0 + 1.1 * c.noise_of(5, 40), 40, again=True).startswith("slower by more than")
 
 
 def test_accesses_that_moved_within_their_noise_keep_the_realised_evidence():

@@ -647,7 +647,8 @@ class PlacementConfig(_Section):
     times the steps' noise is confirmed before it is kept: that placement is measured again
     after it (its moves there and back), and the trial is kept only if faster than that too - a
     slow phase of a shared machine just before a trial otherwise keeps a slower placement.
-    null: judge a trial on the steps before it alone."""
+    Once kept, a trial judged again over all its steps is reverted only when slower beyond the
+    noise, like any plan. null: judge a trial on the steps before it alone."""
 
 
 class ProfilerConfig(_Section):
