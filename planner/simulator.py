@@ -38,9 +38,8 @@ request, where ``others`` is the number of the queue's requests still in flight 
 FIFO queue served by ``disk_servers`` servers, but for a miss (a param read the training thread
 waits for), which goes ahead of the requests not started yet and starts when a server finishes the
 one it runs, as the store's urgent reads do (the requests it overtakes keep the landings worked out
-for them; the queue's tail waits as long as the miss); synchronous ones (``store.read``/``store.write`` on
-the calling thread: a gradient read back between micro-batches, any write when there is no write
-window) start at once beside them, as in the store. The default is the engine's number of request
+for them; the queue's tail waits as long as the miss); synchronous ones (``store.write`` on
+the calling thread: any write when there is no write window) start at once beside them, as in the store. The default is the engine's number of request
 threads (``max(2, aio.thread_count)``: the NVMe store runs that many requests at once). A
 synchronous request sees the queue's requests in flight as ``others`` too, so a placement that
 writes synchronously while nothing else is in flight gets the disk alone (the cost model's profiles
@@ -49,8 +48,8 @@ concurrency: then every request costs the same, as before). Writes go through a 
 0 makes them synchronous.
 
 **Gradients and the optimizer.** A gradient whose optimizer home is NVMe is written to its file
-after each micro-batch (asynchronously) and read back, synchronously, before the next one adds to
-it. With ``updates_during_backward`` (``zinf.overlap_optimizer`` and no clipping) the last pass
+after each micro-batch (asynchronously) and read back before the next one adds to it: the read
+is queued at the module's backward pre-hook, beside its compute, and the gradient waits for it. With ``updates_during_backward`` (``zinf.overlap_optimizer`` and no clipping) the last pass
 updates NVMe groups on a worker thread while backward goes on: the group read is asked for at the
 module's backward, the update queued when its gradient is final (the main thread waits when two
 are queued), its write-back issued from the worker; chunks are queued when backward ends. With
@@ -623,15 +622,6 @@ class Simulator:
             ends.append(end)
             return end
 
-        def read_now(t: float, nbytes: float, requests: float = 1.0) -> float:
-            """A synchronous read on the calling thread (``store.read``): it does not wait in the
-            request queue; it runs beside whatever the request threads are doing."""
-            nonlocal busy, rbytes
-            dur = requests * r_lat + nbytes * ((r_spb + others(t) * r_share) if shared else r_spb)
-            busy += dur
-            rbytes += nbytes
-            return t + dur
-
         def write(t: float, nbytes: float, requests: float = 1.0) -> float:
             """Write from a thread at time t; returns when that thread may go on."""
             nonlocal busy, wbytes, wq_bytes
@@ -765,12 +755,15 @@ class Simulator:
                     # ---- eager mode: the group read is asked for at the module's backward pre-hook
                     if eag == EAGER_NVME and last and eager:
                         group_done[i] = read(t, g_bytes[i], g_reqs[i])
+                    # ---- the gradient's sum so far is read back from its file from the same hook
+                    if gb >= 0 and readback:
+                        sum_done = read(t, gb, w)
                     # ---- compute
                     t += c
                     # ---- the gradient, final at the end of the module's backward, to its NVMe group
                     if gb >= 0:
-                        if readback:  # the sum so far comes back from its file first
-                            d = read_now(t, gb, w)
+                        if readback:  # it adds to the sum read back, once that has landed
+                            d = sum_done
                             wait = d - t if d > t else 0.0
                             stall += wait
                             t += wait
