@@ -243,13 +243,14 @@ class ControllerSettings:
     write-behind, optimizer read-ahead, updates during backward) has never run in this run, whose
     predicted step is within this fraction of the measured step of the best plan's, and which the
     model predicts faster than the placement in force, is tried (not at the first plan, which is
-    judged against the run's first, slower steps): adopted although its gain may
-    not pass the gate, measured, and reverted unless it measured faster than the placement it
-    replaced (judged again over all its steps, only when slower beyond the noise). The simulator's calibration (its residual ``overhead_s``) is measured on the mode in
-    force and borrowed by a mode that never ran; what it misses differs by mode - on the H100 the
-    dense GPT's all-NVMe placement with updates during backward measured 0.462 s where the
-    residual of the no-update mode predicted 0.486, and the planner kept a placement 9% slower
-    (0.503 s) on a predicted 0.3% difference. Once a mode ran, the difference of its residual from
+    judged against the run's first, slower steps): adopted although its gain may not pass the
+    gate, measured, and reverted unless it measured faster than the placement it replaced
+    (judged again over all its steps, only when slower beyond the noise). The simulator's
+    calibration (its residual ``overhead_s``) is measured on the mode in force and borrowed by a
+    mode that never ran; what it misses differs by mode - on the H100 the dense GPT's all-NVMe
+    placement with updates during backward measured 0.462 s where the residual of the no-update
+    mode predicted 0.486, and the planner kept a placement 9% slower (0.503 s) on a predicted
+    0.3% difference. Once a mode ran, the difference of its residual from
     the others' is known (:attr:`AdaptiveController.mode_offset_s`). Trials are made only in the
     first ``trial_periods`` re-plan periods after the first plan; later, a plan in a mode that
     never ran must clear ``min_gain_fraction`` plus this band (its error is unknown by that much).

@@ -38,9 +38,9 @@ request, where ``others`` is the number of the queue's requests still in flight 
 FIFO queue served by ``disk_servers`` servers, but for a miss (a param read the training thread
 waits for), which goes ahead of the requests not started yet and starts when a server finishes the
 one it runs, as the store's urgent reads do (the requests it overtakes keep the landings worked out
-for them; the queue's tail waits as long as the miss); synchronous ones (``store.write`` on
-the calling thread: any write when there is no write window) start at once beside them, as in the store. The default is the engine's number of request
-threads (``max(2, aio.thread_count)``: the NVMe store runs that many requests at once). A
+for them; the queue's tail waits as long as the miss); synchronous ones (``store.write`` on the
+calling thread: any write when there is no write window) start at once beside them, as in the
+store. The default is the engine's number of request threads (``max(2, aio.thread_count)``: the NVMe store runs that many requests at once). A
 synchronous request sees the queue's requests in flight as ``others`` too, so a placement that
 writes synchronously while nothing else is in flight gets the disk alone (the cost model's profiles
 without concurrency give ``shared`` = 0 and a per-request bandwidth under the run's own
@@ -49,7 +49,8 @@ concurrency: then every request costs the same, as before). Writes go through a 
 
 **Gradients and the optimizer.** A gradient whose optimizer home is NVMe is written to its file
 after each micro-batch (asynchronously) and read back before the next one adds to it: the read
-is queued at the module's backward pre-hook, beside its compute, and the gradient waits for it. With ``updates_during_backward`` (``zinf.overlap_optimizer`` and no clipping) the last pass
+is queued at the module's backward pre-hook, beside its compute, and the gradient waits for it.
+With ``updates_during_backward`` (``zinf.overlap_optimizer`` and no clipping) the last pass
 updates NVMe groups on a worker thread while backward goes on: the group read is asked for at the
 module's backward, the update queued when its gradient is final (the main thread waits when two
 are queued), its write-back issued from the worker; chunks are queued when backward ends. With
