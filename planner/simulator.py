@@ -40,10 +40,10 @@ waits for), which goes ahead of the requests not started yet and starts when a s
 one it runs, as the store's urgent reads do (the requests it overtakes keep the landings worked out
 for them; the queue's tail waits as long as the miss); synchronous ones (``store.write`` on the
 calling thread: any write when there is no write window) start at once beside them, as in the
-store. The default is the engine's number of request threads (``max(2, aio.thread_count)``: the NVMe store runs that many requests at once). A
-synchronous request sees the queue's requests in flight as ``others`` too, so a placement that
-writes synchronously while nothing else is in flight gets the disk alone (the cost model's profiles
-without concurrency give ``shared`` = 0 and a per-request bandwidth under the run's own
+store. The default is the engine's number of request threads (``max(2, aio.thread_count)``: the
+NVMe store runs that many requests at once). A synchronous request sees the queue's requests in
+flight as ``others`` too, so a placement that writes synchronously while nothing else is in
+flight gets the disk alone (the cost model's profiles without concurrency give ``shared`` = 0 and a per-request bandwidth under the run's own
 concurrency: then every request costs the same, as before). Writes go through a window of ``write_window_bytes`` in flight (waiting for room blocks the writing thread);
 0 makes them synchronous.
 

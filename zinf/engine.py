@@ -632,7 +632,8 @@ class Engine:
                 self._acquire(st, "backward")
                 self._backward_held.append(st)
                 if st.grad_on_nvme and st.grad is None and st.grad_read is None:
-                    self._read_grad_ahead(st)
+                    self._start_grad_sum_read(st)
+                    self.grad_reads_ahead += 1
                 if self.overlap.eager and len(st.shard.members) == 1 and st.place.optim == "nvme" \
                         and st.group_reads is None and st.shard.trainable and self._last_micro_batch():
                     # its update will run as soon as its gradient is final: read its optimizer
@@ -643,19 +644,18 @@ class Engine:
 
         return hook
 
-    def _read_grad_ahead(self, st: ShardState) -> None:
-        """Backward reached the module of ``st``, whose earlier micro-batches of this window left
-        their gradient sum on NVMe: start reading it back now, into a fresh accumulator, so that
-        the read runs while the module's backward computes; the gradient adds to it when it
-        arrives (:meth:`_accumulate_grad`). Read on arrival instead, every micro-batch after the
-        first waited for its sums one by one (the dense GPT with accumulation 4 at 30%: 102
-        reads a step)."""
+    def _start_grad_sum_read(self, st: ShardState) -> None:
+        """Start reading back the gradient sum that earlier micro-batches of this window left in
+        ``st``'s file, into a fresh accumulator the gradient then adds to (:meth:`_accumulate_grad`).
+        Started from the module's backward pre-hook, the read runs while the module's backward
+        computes; read on arrival instead, every micro-batch after the first waited for its sums
+        one by one (the dense GPT with accumulation 4 at 30%: 102 reads a step). A gradient that
+        arrives with no read started (no pre-hook of its module ran) starts it then."""
         n = st.shard.numel
         # 4096-aligned: read straight into it (O_DIRECT), as the accumulator it becomes
         out = aligned_empty(n * 4).view(torch.float32)[:n]
         st.grad_read = self._stores["optim"].read_async(st.key("grad"), out)
         self._count("read", "nvme", n * 4)
-        self.grad_reads_ahead += 1
 
     def _plan_backward_reads(self) -> None:
         """Before a backward whose updates run during it: the NVMe optimizer groups it will update,
@@ -958,10 +958,12 @@ class Engine:
         with span("zinf.grad.offload"):
             if st.grad is None and st.grad_buffer is not None:
                 st.grad = st.grad_buffer  # a DRAM optimizer home keeps its accumulator between steps
-            elif st.grad is None and st.grad_read is not None:  # its sum so far, read back ahead
+            elif st.grad is None and st.grad_on_nvme:  # earlier micro-batches left their sum on NVMe
+                if st.grad_read is None:
+                    self._start_grad_sum_read(st)
                 future, st.grad_read = st.grad_read, None
                 t0 = time.perf_counter()
-                self._stores["optim"].hurry(future)
+                self._stores["optim"].hurry(future)  # waited for now: before what is only read ahead
                 st.grad = future.result()
                 waited = time.perf_counter() - t0
                 self._step_timer.stall_s += waited
@@ -973,13 +975,6 @@ class Engine:
                 st.grad = aligned_empty(st.shard.numel * 4).view(torch.float32)[: st.shard.numel]
                 if st.place.optim != "nvme":  # fresh pages cost a page fault each: reuse them
                     st.grad_buffer = st.grad
-                if st.grad_on_nvme:  # earlier micro-batches of this window left their sum on NVMe
-                    t0 = time.perf_counter()
-                    self._read_optim(st, "grad", out=st.grad)
-                    waited = time.perf_counter() - t0
-                    self._step_timer.stall_s += waited
-                    if self._emit_detail:
-                        self._emit_transfer(st, "grad", "read", "nvme", st.shard.numel * 4, waited)
             view = st.grad[m.offset : m.offset + m.numel].view(m.shape)
             g = g.to("cpu") if g.device.type != "cpu" else g
             if i in st.grad_members:
@@ -1074,11 +1069,6 @@ class Engine:
     def _count(self, op: str, tier: str, nbytes: int) -> None:
         with self._stats_lock:
             (self._stats.read if op == "read" else self._stats.written)[tier] += nbytes
-
-    def _read_optim(self, st: ShardState, what: str, out: Tensor | None = None) -> Tensor:
-        t = self._stores["optim"].read(st.key(what), out=out)
-        self._count("read", "nvme", t.numel() * t.element_size())
-        return t
 
     def _write_optim(self, st: ShardState, what: str, t: Tensor, buffer: Tensor | None = None) -> None:
         """Write ``t`` to the shard's ``what`` file: through the window of writes in flight when
