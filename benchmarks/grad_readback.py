@@ -57,6 +57,7 @@ def main() -> None:
                                  recorder=rec) as engine:
                 for step in range(args.warmup + args.steps):
                     t0 = time.perf_counter()
+                    # (planner_policies.optimizer_step, written out: --tree may be a checkout older than it)
                     for _ in range(w.grad_accum):
                         x, y = w.data.get(micro)
                         micro += 1

@@ -245,6 +245,17 @@ def largest_max_in_cpu(w: Workload, swap: Path, budget_bytes: int) -> int | None
 
 
 # ------------------------------------------------------------------ one run
+def optimizer_step(engine, w: Workload, micro: int) -> int:
+    """One optimizer step of ``w`` on ``engine``: its ``grad_accum`` micro-batches from batch
+    ``micro`` on. Returns the next micro-batch's index."""
+    for _ in range(w.grad_accum):
+        x, y = w.data.get(micro)
+        micro += 1
+        engine.backward(engine(x, y))
+        engine.step()
+    return micro
+
+
 @dataclass
 class Run:
     """One engine's life: per-step wall seconds and NVMe bytes of the measured steps."""
@@ -339,11 +350,7 @@ class Trainer:
             traffic = engine.traffic_total
             before_b = traffic.read["nvme"] + traffic.written["nvme"]
             t0, cpu0, train0 = time.perf_counter(), time.process_time(), time.thread_time()
-            for _ in range(w.grad_accum):
-                x, y = w.data.get(self.micro)
-                self.micro += 1
-                engine.backward(engine(x, y))
-                engine.step()
+            self.micro = optimizer_step(engine, w, self.micro)
             dt = time.perf_counter() - t0
             cpu_s, train_cpu_s = time.process_time() - cpu0, time.thread_time() - train0
             moved_b = engine.traffic_total.read["nvme"] + engine.traffic_total.written["nvme"] - before_b

@@ -71,11 +71,7 @@ def main() -> None:
             for name, engine in engines.items():
                 for _ in range(args.block):
                     t0 = time.perf_counter()
-                    for _ in range(w.grad_accum):
-                        x, y = w.data.get(micro[name])
-                        micro[name] += 1
-                        engine.backward(engine(x, y))
-                        engine.step()
+                    micro[name] = pp.optimizer_step(engine, w, micro[name])
                     if r > 0:  # round 0 warms up (the first plan, the page cache, the trace)
                         times[name].append(time.perf_counter() - t0)
             if r > 0:

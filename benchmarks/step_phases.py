@@ -73,11 +73,7 @@ def run_policy(w: pp.Workload, policy: str, swap: Path, budget: int, n_max: int,
             before_b = before.read["nvme"] + before.written["nvme"]
             prediction = getattr(getattr(engine, "controller", None), "predicted_step_s", None)
             t0 = time.perf_counter()
-            for _ in range(w.grad_accum):
-                x, y = w.data.get(micro)
-                micro += 1
-                engine.backward(engine(x, y))
-                engine.step()
+            micro = pp.optimizer_step(engine, w, micro)
             loop_s = time.perf_counter() - t0
             if step == args.warmup - 1:
                 pf_before = engine.prefetch_stats
