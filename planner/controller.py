@@ -63,6 +63,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -238,11 +239,12 @@ class ControllerSettings:
     a CPU the training does not: on the 2-core VM, where it has none, planning there measured no
     faster than between steps (see :mod:`planner.background`)."""
 
-    trial_band: float = 0.05
+    trial_band: float = 0.10
     """A plan whose engine mode (which overlap buffers the engine grants it: prefetch window,
     write-behind, optimizer read-ahead, updates during backward) has never run in this run, whose
     predicted step is within this fraction of the measured step of the best plan's, and which the
-    model predicts faster than the placement in force, is tried (not at the first plan, which is
+    model predicts less than this fraction slower than the placement in force (the model cannot
+    tell them apart by more), is tried (not at the first plan, which is
     judged against the run's first, slower steps): adopted although its gain may not pass the
     gate, measured, and reverted unless it measured faster than the placement it replaced
     (judged again over all its steps, only when slower beyond the noise). The simulator's
@@ -250,7 +252,9 @@ class ControllerSettings:
     mode that never ran; what it misses differs by mode - on the H100 the dense GPT's all-NVMe
     placement with updates during backward measured 0.462 s where the residual of the no-update
     mode predicted 0.486, and the planner kept a placement 9% slower (0.503 s) on a predicted
-    0.3% difference. Once a mode ran, the difference of its residual from
+    0.3% difference; on another H100 the same placement was predicted 4.7% slower than the
+    plan in force and measured 3-8% faster (a band of 0.05 and a required predicted gain kept it
+    untried: the GPT at 0.92-0.97x all-NVMe's speed). Once a mode ran, the difference of its residual from
     the others' is known (:attr:`AdaptiveController.mode_offset_s`). Trials are made only in the
     first ``trial_periods`` re-plan periods after the first plan; later, a plan in a mode that
     never ran must clear ``min_gain_fraction`` plus this band (its error is unknown by that much).
@@ -572,6 +576,38 @@ class _LogLines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append((record.levelno, record.getMessage()))
+
+
+PLAN_DUMP_ENV = "ZINF_PLAN_DUMP"
+"""Environment variable: a folder where each plan's inputs are pickled (:func:`dump_plan_inputs`)."""
+
+
+def dump_plan_inputs(folder: str | os.PathLike, controller: "AdaptiveController", engine, step: int, drifted: bool,
+                     before_s: float | None) -> Path:
+    """Pickle what the plan due after ``step`` is made from - the controller's state, the engine
+    as the plan sees it (:class:`EngineView`) and the call's arguments - to
+    ``folder/plan_step{step}.pkl``, so that ``benchmarks/plan_replay.py`` can make the same plan
+    again, offline, against the run's profile database (which the plan reads up to ``step``
+    only): a plan that went wrong on a lent GPU machine can be studied, and a fix tried, on
+    any machine. Written whole to a temporary name, then renamed."""
+    from profiler import queries
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    view = engine if isinstance(engine, EngineView) else EngineView.of(engine)
+    # the newest step the database held: a plan made between steps on the training thread reads
+    # the profile before its own step's row is written (the replay cuts the database there)
+    if controller.recorder is not None:
+        controller.recorder.flush()  # as the plan does first (in the planning process: done before)
+    run_id = getattr(controller.recorder, "run_id", None)
+    last = queries.run_progress(controller.url, run_id)["last_step"] if run_id is not None else None
+    blob = pickle.dumps({"class": type(controller), "state": controller.__getstate__(), "view": view, "step": int(step),
+                         "drifted": bool(drifted), "before_s": before_s, "run_id": run_id, "db_last_step": last})
+    path = out / f"plan_step{int(step)}.pkl"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
+    return path
 
 
 def _plan_in_child(cls: type, state: dict, view: EngineView, step: int, drifted: bool,
@@ -1290,7 +1326,12 @@ class AdaptiveController:
 
     # ------------------------------------------------------------------ planning
     def _plan_or_skip(self, engine, step: int, drifted: bool, before_s: float | None) -> list[Move] | None:
-        """:meth:`_plan`, with a plan that cannot be made recorded as a skip."""
+        """:meth:`_plan`, with a plan that cannot be made recorded as a skip. With the environment
+        variable ``ZINF_PLAN_DUMP`` naming a folder, what the plan is made from goes there first
+        (:func:`dump_plan_inputs`), for ``benchmarks/plan_replay.py``."""
+        folder = os.environ.get(PLAN_DUMP_ENV)
+        if folder:
+            dump_plan_inputs(folder, self, engine, step, drifted, before_s)
         try:
             return self._plan(engine, step, drifted, before_s)
         except _BudgetFull as e:  # the placement in force already fills the budget: normal
@@ -1530,12 +1571,7 @@ class AdaptiveController:
         param in DRAM, promised 150-190 ms from moving 25 params out to make room for optimizer
         homes, and measured 0-18 ms slower (0.7 ms a fetch by the estimate of then, x 8 fetches a
         step each). So: the value measured, remembered for later reads of this run that have
-        none; before any, the latency of one read (cost model: its fixed part per request).
-        Measured since the engine records it (``fetch_overhead_s``), the overhead is 0.05-0.38 ms
-        a fetch on the H200 machine (GPT, MoE) and 0.14 ms on the 2-core VM, against read
-        latencies of 0.27-0.32 ms: the latency is at the high end of them. (One whole read of the
-        median shard, assumed before, was 1.5 ms there: 4-30x too much; on the H200 it kept the
-        GPT at 30% in max_in_cpu's placement, 0.76x the speed of all-NVMe.)"""
+        none; before any, an estimate (:meth:`_fetch_overhead_prior`)."""
         if workload.fetch_overhead_measured:
             self._fetch_overhead = (float(workload.fetch_overhead_s), step)
             return workload
@@ -1543,12 +1579,34 @@ class AdaptiveController:
             seconds, then = self._fetch_overhead
             return workload.with_fetch_overhead(seconds, f"measured at the plan of step {then} (no NVMe param fetch since)",
                                                 measured=True)
-        params = workload.shards.loc[workload.shards["param_bytes"] > 0, "param_bytes"]
+        params = workload.shards.loc[(workload.shards["param_bytes"] > 0) & ~workload.shards["chunk"], "param_bytes"]
         if params.empty:
             return workload
+        seconds, how = self._fetch_overhead_prior(workload, params, cost)
+        return workload.with_fetch_overhead(seconds, f"no NVMe param fetch measured yet: {how}", measured=False)
+
+    @staticmethod
+    def _fetch_overhead_prior(workload: Workload, param_bytes: "pd.Series", cost) -> tuple[float, str]:
+        """Seconds assumed for an NVMe param fetch beyond its read, before any was measured, and how.
+
+        On a GPU machine, what a fetch does beyond its read (resize the storage, launch the
+        upload) is what a DRAM param's fetch does whole: the median param shard's bytes at the
+        measured upload rate (``copy_Bps``). Measured on the H100 GPT: 0.0225 ms an NVMe fetch,
+        0.0013-0.06 ms a DRAM one, and this estimate 0.0075 ms; the latency of one read assumed
+        there before (0.30 ms, 13x the overhead measured later) put the GPT's all-NVMe placement
+        11 ms a step slower at its first plan than the measured overhead does (part of it is
+        hidden behind compute in the simulator).
+
+        Elsewhere (a CPU device: a DRAM param is used where it lies, so no fetch measures the
+        copy), the latency of one read (the cost model's fixed part per request): 0.27-0.32 ms
+        against 0.14 ms measured on the 2-core VM, the safe side."""
+        if workload.copy_measured:
+            median = float(param_bytes.median())
+            seconds = 0.0 if not math.isfinite(workload.copy_Bps) else median / workload.copy_Bps
+            return seconds, (f"the upload of a DRAM param of the median size ({median / 2**20:.1f} MiB at "
+                             f"{workload.copy_Bps / 1e9:.3g} GB/s: {seconds * 1e3:.3f} ms) assumed, the same resize and launch")
         seconds = float(cost.predict_s("nvme", "read", 0))
-        return workload.with_fetch_overhead(seconds, f"no NVMe param fetch measured yet: the latency of one read "
-                                                     f"({seconds * 1e3:.2f} ms) assumed", measured=False)
+        return seconds, f"the latency of one read ({seconds * 1e3:.2f} ms) assumed"
 
     def _unless_reverted_before(self, decision: Decision, rates: "pd.Series", shifted: bool,
                                 trial: bool = False) -> Decision:

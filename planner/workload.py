@@ -132,6 +132,9 @@ class Workload:
     on an earlier read's: :meth:`with_fetch_overhead`), rather than 0 for want of any fetch."""
     copy_Bps: float = math.inf
     """Bytes/s of copying a DRAM param home to the compute device (inf on a CPU device: resident)."""
+    copy_measured: bool = False
+    """Whether :attr:`copy_Bps` was measured on this profile's DRAM param fetches (CUDA), rather
+    than assumed (none recorded) or not needed (a CPU device)."""
     micro_batches: int = 1
     """Micro-batches (forward + backward passes) per optimizer step."""
     prefetch_bytes: int = 0
@@ -423,9 +426,9 @@ class Workload:
         eager = bool(cfg.zinf.overlap_optimizer and cfg.gradient_clipping == 0 and not cfg.fp16.enabled)
         fetch_overhead_s, fetch_measured, how = _fetch_overhead(stats, df.set_index("shard"), micro, eager)
         source["fetch_overhead"] = how
-        copy_Bps = math.inf
+        copy_Bps, copy_measured = math.inf, False
         if device == "cuda":
-            copy_Bps, how = _copy_bandwidth(stats)
+            copy_Bps, copy_measured, how = _copy_bandwidth(stats)
             source["copy"] = how
 
         off_param, off_opt = zero.offload_param, zero.offload_optimizer
@@ -441,6 +444,7 @@ class Workload:
             fetch_overhead_s=fetch_overhead_s,
             fetch_overhead_measured=fetch_measured,
             copy_Bps=copy_Bps,
+            copy_measured=copy_measured,
             micro_batches=micro,
             prefetch_bytes=prefetch_bytes,
             reuse_distance_bytes=int(zero.stage3_max_reuse_distance * dtype_bytes),
@@ -754,14 +758,15 @@ def _fetch_overhead(stats: pd.DataFrame, df: pd.DataFrame, micro: int, eager: bo
     return float(np.quantile(per, 0.25)), True, f"25th percentile of stall per fetch over {len(per)} NVMe param shards (profile before schema 0003)"
 
 
-def _copy_bandwidth(stats: pd.DataFrame) -> tuple[float, str]:
-    """Bytes/s the training thread pays to put a DRAM param on the GPU: bytes over the seconds its
-    fetches took (``fetch_s``; not ``stall_s``, which also holds the shard's gradient read-backs
-    and write waits). The upload runs on a side stream, so this is mostly launching it."""
+def _copy_bandwidth(stats: pd.DataFrame) -> tuple[float, bool, str]:
+    """Bytes/s the training thread pays to put a DRAM param on the GPU, whether any fetch measured
+    it, and how: bytes over the seconds its fetches took (``fetch_s``; not ``stall_s``, which
+    also holds the shard's gradient read-backs and write waits). The upload runs on a side
+    stream, so this is mostly launching it."""
     rows = stats[(stats["param_tier"] == "cpu") & (stats["read_cpu_bytes"] > 0)]
     if rows.empty:
-        return 25e9, "no DRAM param fetch recorded: 25 GB/s assumed (pinned host to device)"
+        return 25e9, False, "no DRAM param fetch recorded: 25 GB/s assumed (pinned host to device)"
     seconds = float(rows["fetch_s"].sum())
     if seconds <= 0:
-        return math.inf, f"no wait in the fetches of {len(rows)} DRAM param shards: free"
-    return float(rows["read_cpu_bytes"].sum() / seconds), f"bytes / fetch seconds over {len(rows)} DRAM param shards"
+        return math.inf, True, f"no wait in the fetches of {len(rows)} DRAM param shards: free"
+    return float(rows["read_cpu_bytes"].sum() / seconds), True, f"bytes / fetch seconds over {len(rows)} DRAM param shards"

@@ -214,6 +214,10 @@ class _RunState:
         self.shard_ids: dict[str, int] = {}
         self.known = {s.name for s in started.shards}
         self.tiers = {s.name: [s.param_tier, s.optim_tier] for s in started.shards}
+        # migrations made after a step's work but before its StepFinished (the planner's, between
+        # steps): (shard, 0 param / 1 optim, new tier, step), applied once that step's row is
+        # closed, so that the row keeps the tiers its accesses ran on
+        self.moved_after_step: list[tuple[str, int, str, int]] = []
         self.cur: dict[str, list] = {}  # since the last StepFinished
         self.window: dict[str, list] = {}  # finished steps of the open window
         self.window_first: int | None = None
@@ -705,9 +709,13 @@ class Recorder:
                 "step": e.step, "plan_version": st.plan_version, "state": e.state, "src_tier": e.src_tier,
                 "dst_tier": e.dst_tier, "bytes": int(e.bytes), "seconds": float(e.seconds),
             }, e.shard)
-            tiers = st.tiers.get(e.shard)
-            if tiers is not None:
-                tiers[0 if e.state == "param" else 1] = e.dst_tier
+            which = 0 if e.state == "param" else 1
+            if int(e.step) <= (st.last_step or 0):
+                tiers = st.tiers.get(e.shard)  # after the step's row: from now on
+                if tiers is not None:
+                    tiers[which] = e.dst_tier
+            else:
+                st.moved_after_step.append((e.shard, which, e.dst_tier, int(e.step)))
             return False
         if kind is ev.RunFinished:
             status = e.status if e.status in ("finished", "crashed") else "crashed"
@@ -787,6 +795,14 @@ class Recorder:
         st.window_count += span
         if st.window_count >= self.window_steps:
             self._close_window(st)
+        if st.moved_after_step:  # the step's accesses ran on the old tiers; the next steps run on these
+            later = []
+            for shard, which, tier, step in st.moved_after_step:
+                if step > int(e.step):
+                    later.append((shard, which, tier, step))
+                elif (tiers := st.tiers.get(shard)) is not None:
+                    tiers[which] = tier
+            st.moved_after_step = later
 
     def _take_io(self, st: _RunState, step: int) -> None:
         for row in st.io_buf:

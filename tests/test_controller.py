@@ -914,6 +914,60 @@ def test_an_unmeasured_fetch_overhead_is_a_reads_latency_until_measured():
     assert later.fetch_overhead_s == 0.0007 and "step 16" in later.source["fetch_overhead"]
 
 
+def test_on_a_gpu_an_unmeasured_fetch_overhead_is_a_dram_params_upload():
+    """With CUDA, a DRAM param's fetch (resize, launch the upload) is what an NVMe fetch does
+    beyond its read: before any NVMe fetch is measured the controller assumes the median param
+    shard's upload at the measured copy rate, not a read's latency (which made all-NVMe look
+    ~50 ms a step slower than it was on the H100 GPT). An unmeasured copy rate leaves the latency."""
+    import math
+    from types import SimpleNamespace
+
+    from planner.controller import AdaptiveController, ControllerSettings
+    from planner.workload import Workload
+
+    rows = [{"shard": name, "numel": mib << 18} for name, mib in (("a", 1), ("b", 2), ("c", 3))]  # fp32: 1-3 MiB
+    kw = dict(compute_fwd_s=0.1, update_s_per_elem=1e-9, fetch_overhead_measured=False, device="cuda")
+    cost = SimpleNamespace(predict_s=lambda tier, direction, nbytes: 0.001 + nbytes / 1e9)  # a = 1 ms, 1 GB/s
+    c = AdaptiveController("sqlite://", None, 1 << 30, ControllerSettings())
+    uploads = Workload.from_rows(rows, copy_Bps=200e9, copy_measured=True, **kw)
+    first = c._fetch_overhead_known(uploads, cost, 8)
+    assert first.fetch_overhead_s == pytest.approx((2 << 20) / 200e9)  # the median shard, 2 MiB: ~10 us
+    assert "upload of a DRAM param" in first.source["fetch_overhead"] and not first.fetch_overhead_measured
+    free = c._fetch_overhead_known(Workload.from_rows(rows, copy_Bps=math.inf, copy_measured=True, **kw), cost, 8)
+    assert free.fetch_overhead_s == 0.0  # uploads measured free
+    assumed = c._fetch_overhead_known(Workload.from_rows(rows, copy_Bps=25e9, copy_measured=False, **kw), cost, 8)
+    assert assumed.fetch_overhead_s == pytest.approx(0.001) and "latency" in assumed.source["fetch_overhead"]
+
+
+def test_a_plan_made_again_from_its_dump_decides_as_the_run_did(tmp_path, monkeypatch):
+    """With ZINF_PLAN_DUMP set, every plan pickles its inputs; planner.replay makes each plan
+    again against the run's database, kept to its end (cut where it was at the plan: a plan made
+    between steps reads the profile before its own step's row), and decides exactly as the run
+    did; changed settings change the decision."""
+    from planner.replay import replay
+
+    dumps = tmp_path / "dumps"
+    monkeypatch.setenv("ZINF_PLAN_DUMP", str(dumps))
+    model, _, data = skewed_moe()
+    with zinf.initialize(model, adaptive_config(tmp_path, 8 * MiB, prefetch=False, trial_band=0, plan_lag_steps=0)) as engine:
+        train_steps(engine, data, 3 * REPLAN + 1)
+        engine.recorder.flush()
+        run_id = engine.recorder.run_id
+    db = tmp_path / "profile.db"
+    plans = queries.plans(f"sqlite:///{db}", run_id).set_index("created_step")
+    files = sorted(dumps.glob("plan_step*.pkl"))
+    assert len(files) == len(plans) >= 3
+    for path in files:
+        again = replay(db, path, tmp_path)
+        then = plans.loc[again.step]
+        assert again.record["adopted"] == bool(then["adopted"]), again.lines
+        assert again.record["predicted_step_s"] == pytest.approx(float(then["predicted_step_s"]), rel=1e-9)
+    adopted = [p for p in files if plans.loc[replay(db, p, tmp_path).step, "adopted"]]
+    assert adopted, "the run adopted a plan (the test needs one to refuse)"
+    refused = replay(db, adopted[0], tmp_path, {"min_gain_fraction": 0.99})
+    assert not refused.record["adopted"] and not refused.moves
+
+
 def test_a_dense_models_quiet_replans_double_the_period_up_to_the_cap():
     """replan_period: replan_every, doubled after each scheduled re-plan that kept the placement
     while the accesses were the same every step, up to quiet_backoff_max x replan_every; any

@@ -774,10 +774,12 @@ def test_a_dram_params_upload_cost_is_its_fetch_time_not_its_stall():
 
     stats = pd.DataFrame({"param_tier": ["cpu", "cpu", "nvme"], "read_cpu_bytes": [4e8, 6e8, 0],
                           "fetch_s": [0.01, 0.03, 0.5], "stall_s": [0.4, 0.6, 0.9]})
-    bps, how = _copy_bandwidth(stats)
-    assert bps == pytest.approx(1e9 / 0.04) and "fetch seconds" in how
-    free, how = _copy_bandwidth(stats.assign(fetch_s=0.0))
-    assert free == math.inf and "free" in how
+    bps, measured, how = _copy_bandwidth(stats)
+    assert bps == pytest.approx(1e9 / 0.04) and measured and "fetch seconds" in how
+    free, measured, how = _copy_bandwidth(stats.assign(fetch_s=0.0))
+    assert free == math.inf and measured and "free" in how
+    assumed, measured, how = _copy_bandwidth(stats[stats["param_tier"] == "nvme"])
+    assert assumed == 25e9 and not measured and "assumed" in how
 
 
 def test_the_stores_cpu_cost_is_charged_per_nvme_byte_in_the_simulator_and_the_stall_cost():

@@ -290,9 +290,12 @@ def test_a_trial_is_taken_whole_within_its_band_and_pays_back_on_the_gain_it_may
     assert trial.adopt and trial.placement == a and trial.held_back == 0 and trial.kept_by_warm_band == 0
     assert trial.reason.startswith("a trial") and trial.pingpong_moves == 2
     assert trial.gain_s_per_step == pytest.approx(0.02)
-    # predicted no gain at all: refused
-    none = policy.decide(b, a, predict_step_s=lambda p: 1.0, migration_s=lambda m: 0.0, trial_band=0.05, **kw)
-    assert not none.adopt and "needs a predicted gain" in none.reason
+    # predicted slower, but within the band: the model cannot tell, the trial measures it
+    slower = policy.decide(b, a, predict_step_s=lambda p: 1.04, migration_s=lambda m: 0.0, trial_band=0.05, **kw)
+    assert slower.adopt and slower.gain_s_per_step == pytest.approx(-0.04)
+    # predicted the band slower or more: refused
+    far = policy.decide(b, a, predict_step_s=lambda p: 1.05, migration_s=lambda m: 0.0, trial_band=0.05, **kw)
+    assert not far.adopt and "within 5% of the step in force" in far.reason
     # payback on the gain it may have: (0.02 + 0.05) s x 10 steps = 0.7 s against 1.5 x 2 moves x 0.23 s = 0.69 s
     assert policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.23, trial_band=0.05, **kw).adopt
     costly = policy.decide(b, a, predict_step_s=lambda p: 0.98, migration_s=lambda m: 0.24, trial_band=0.05, **kw)

@@ -658,6 +658,33 @@ def test_plans_migrations_trials_calibrations(tmp_path):
     assert cal["GBps"].tolist() == pytest.approx([1.5, (1 << 30) / 0.5 / 1e9])
 
 
+def test_a_migration_between_steps_relabels_the_next_steps_rows_not_the_one_it_followed(tmp_path):
+    """The planner migrates after a step's work but before its StepFinished: that step's row keeps
+    the tiers its accesses ran on (a DRAM param's row labelled NVMe made the planner read its
+    optimizer reads as NVMe param fetches), and the rows after it get the new ones; a migration
+    made after a StepFinished (by hand, between steps) labels the next step's row."""
+    url = db_url(tmp_path)
+    r = Recorder(url, flush_interval_s=0.05)
+    r.emit(run_started())
+
+    def step(k: int, migrate: list = ()) -> None:  # s2 touched only by a gradient write: no event names its tier
+        r.emit(ev.ShardFetched(k, k, "s0", "forward", "cpu", 100, 0.001, 0.0005))
+        r.emit(ev.ShardTransfer(k, "s2", "grad", "write", "nvme", 800, 0.0))
+        for m in migrate:
+            r.emit(m)
+        r.emit(ev.StepFinished(k + 1, 1, 0.1, 0.03, 0.04, 0.02, 0.005, 0.0, 1.0, {"cpu": 100}, {"nvme": 800}))
+
+    step(0, [ev.ShardMigrated(1, "s2", "param", "nvme", "cpu", 8000, 0.01)])  # the planner's, inside step 1
+    step(1)
+    r.emit(ev.ShardMigrated(2, "s2", "optim", "nvme", "cpu", 48000, 0.01))  # after step 2's StepFinished
+    step(2)
+    r.emit(ev.RunFinished("finished", 3, time.time()))
+    r.close()
+    got = rows(url, "SELECT ss.step, ss.param_tier, ss.optim_tier FROM shard_steps ss JOIN shards s ON s.id = ss.shard_id "
+                    "WHERE s.name = 's2' ORDER BY ss.step")
+    assert got == [(1, "nvme", "nvme"), (2, "cpu", "nvme"), (3, "cpu", "cpu")]
+
+
 # ---------------------------------------------------------------------------------- errors
 def one_line(exc: pytest.ExceptionInfo) -> str:
     msg = str(exc.value)

@@ -1,0 +1,64 @@
+"""Make a run's plans again, offline (:mod:`planner.replay`): from the inputs the controller
+pickled at each plan (``ZINF_PLAN_DUMP=DIR``) and the run's profile database, print what each
+plan decides now - with this checkout's planner, and optionally other controller settings -
+beside what the run decided then (its ``plans`` table).
+
+    ZINF_PLAN_DUMP=/tmp/dumps python3 benchmarks/planner_policies.py --keep-db /tmp/dbs ...
+    .venv/bin/python benchmarks/plan_replay.py --db /tmp/dbs/adaptive.db /tmp/dumps/*.pkl
+    .venv/bin/python benchmarks/plan_replay.py --db ... --set trial_band=0.1 /tmp/dumps/plan_step16.pkl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sqlite3
+import tempfile
+from pathlib import Path
+
+from planner.replay import replay, settings_overrides
+
+
+def run_decisions(db: Path) -> dict[int, str]:
+    """The plans the run made, by the step they were made after: one line each."""
+    with sqlite3.connect(db) as con:
+        rows = con.execute("select created_step, adopted, predicted_step_s, reason from plans order by version").fetchall()
+    out = {}
+    for step, adopted, predicted, reason in rows:
+        why = json.loads(reason).get("why", "") if reason else ""
+        out[int(step)] = f"{'adopted' if adopted else 'kept'}, predicted {predicted:.3f} s: {why}"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dumps", nargs="+", type=Path, help="plan_step*.pkl files written under ZINF_PLAN_DUMP")
+    ap.add_argument("--db", type=Path, required=True, help="the run's profile database (SQLite), kept to its end")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a controller setting to replay with instead of the run's (repeatable; JSON values)")
+    args = ap.parse_args()
+    try:
+        overrides = settings_overrides(args.set)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise SystemExit(f"--set: {e}") from None
+    then = run_decisions(args.db)
+    scratch = Path(tempfile.mkdtemp(prefix="zinf-replay-"))
+    try:
+        for path in sorted(args.dumps, key=lambda p: int(re.sub(r"\D", "", p.stem) or 0)):
+            r = replay(args.db, path, scratch, overrides)
+            print(f"== plan after step {r.step}" + (" (drifted)" if r.drifted else ""))
+            print(f"   then: {then.get(r.step, 'no plan recorded at this step')}")
+            for line in r.lines:
+                print(f"   now:  {line}")
+            if r.record:
+                reason = r.record.get("reason") or {}
+                keep = {k: reason[k] for k in ("note", "mode", "trial", "mode_untried") if k in reason}
+                print(f"   now:  {'adopted' if r.record.get('adopted') else 'kept'}, predicted "
+                      f"{r.record.get('predicted_step_s', float('nan')):.3f} s, {len(r.moves)} moves {json.dumps(keep, default=str)}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
