@@ -4,8 +4,8 @@ plan decides now - with this checkout's planner, and optionally other controller
 beside what the run decided then (its ``plans`` table).
 
     ZINF_PLAN_DUMP=/tmp/dumps python3 benchmarks/planner_policies.py --keep-db /tmp/dbs ...
-    .venv/bin/python benchmarks/plan_replay.py --db /tmp/dbs/adaptive.db /tmp/dumps/*.pkl
-    .venv/bin/python benchmarks/plan_replay.py --db ... --set trial_band=0.1 /tmp/dumps/plan_step16.pkl
+    .venv/bin/python benchmarks/plan_replay.py --db /tmp/dbs/adaptive.db /tmp/dumps/adaptive-profile_run1_*.pkl
+    .venv/bin/python benchmarks/plan_replay.py --db ... --set trial_band=0.1 /tmp/dumps/adaptive-profile_run1_step16.pkl
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def run_decisions(db: Path) -> dict[int, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("dumps", nargs="+", type=Path, help="plan_step*.pkl files written under ZINF_PLAN_DUMP")
+    ap.add_argument("dumps", nargs="+", type=Path, help="*_step*.pkl files written under ZINF_PLAN_DUMP (one run's)")
     ap.add_argument("--db", type=Path, required=True, help="the run's profile database (SQLite), kept to its end")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a controller setting to replay with instead of the run's (repeatable; JSON values)")
@@ -45,7 +45,7 @@ def main() -> None:
     then = run_decisions(args.db)
     scratch = Path(tempfile.mkdtemp(prefix="zinf-replay-"))
     try:
-        for path in sorted(args.dumps, key=lambda p: int(re.sub(r"\D", "", p.stem) or 0)):
+        for path in sorted(args.dumps, key=lambda p: int(re.sub(r".*_step", "", p.stem) or 0)):
             r = replay(args.db, path, scratch, overrides)
             print(f"== plan after step {r.step}" + (" (drifted)" if r.drifted else ""))
             print(f"   then: {then.get(r.step, 'no plan recorded at this step')}")

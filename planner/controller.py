@@ -586,7 +586,7 @@ def dump_plan_inputs(folder: str | os.PathLike, controller: "AdaptiveController"
                      before_s: float | None) -> Path:
     """Pickle what the plan due after ``step`` is made from - the controller's state, the engine
     as the plan sees it (:class:`EngineView`) and the call's arguments - to
-    ``folder/plan_step{step}.pkl``, so that ``benchmarks/plan_replay.py`` can make the same plan
+    ``folder/{database's folder}-{its name}_run{run}_step{step}.pkl``, so that ``benchmarks/plan_replay.py`` can make the same plan
     again, offline, against the run's profile database (which the plan reads up to ``step``
     only): a plan that went wrong on a lent GPU machine can be studied, and a fix tried, on
     any machine. Written whole to a temporary name, then renamed."""
@@ -603,7 +603,10 @@ def dump_plan_inputs(folder: str | os.PathLike, controller: "AdaptiveController"
     last = queries.run_progress(controller.url, run_id)["last_step"] if run_id is not None else None
     blob = pickle.dumps({"class": type(controller), "state": controller.__getstate__(), "view": view, "step": int(step),
                          "drifted": bool(drifted), "before_s": before_s, "run_id": run_id, "db_last_step": last})
-    path = out / f"plan_step{int(step)}.pkl"
+    # runs side by side (a benchmark's policies) share the folder: named by database and run
+    db = str(controller.url).split(":///", 1)[1] if ":///" in str(controller.url) else ""
+    where = f"{Path(db).parent.name}-{Path(db).stem}" if db else "memory"
+    path = out / f"{where}_run{run_id}_step{int(step)}.pkl"
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(blob)
     os.replace(tmp, path)

@@ -955,7 +955,7 @@ def test_a_plan_made_again_from_its_dump_decides_as_the_run_did(tmp_path, monkey
         run_id = engine.recorder.run_id
     db = tmp_path / "profile.db"
     plans = queries.plans(f"sqlite:///{db}", run_id).set_index("created_step")
-    files = sorted(dumps.glob("plan_step*.pkl"))
+    files = sorted(dumps.glob(f"*_run{run_id}_step*.pkl"))
     assert len(files) == len(plans) >= 3
     for path in files:
         again = replay(db, path, tmp_path)
