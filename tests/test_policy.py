@@ -102,6 +102,27 @@ def test_warm_band_keeps_near_threshold_homes_where_they_are():
     assert plain.adopt and len(plain.moves) == 2
 
 
+def test_warm_band_gives_way_when_the_homes_it_holds_are_worth_more_than_its_share_of_the_step():
+    """Many homes near the threshold (after a routing change): each held move is worth little by
+    its density, but together, by the simulator, more than warm_band of the step - the plan is
+    taken whole. Worth less than that, the band holds them as before."""
+    homes, _, size, _ = setup(6)
+    density = {h: (0.030 + 0.0005 * i) / (10 * MiB) for i, h in enumerate(homes)}  # all within 15% of each other
+    current = {h: ("cpu" if i < 3 else "nvme") for i, h in enumerate(homes)}
+    candidate = {h: ("nvme" if i < 3 else "cpu") for i, h in enumerate(homes)}
+    policy = PlacementPolicy(PolicySettings(warm_band=0.15, min_gain_fraction=0, margin=0))
+    kw = dict(density=density, dram_bytes=size, dram_room_bytes=30 * MiB, migration_s=lambda m: 0.0,
+              horizon_steps=100)
+    for saved_each, whole in ((0.001, False), (0.060, True)):  # the 3 swaps: 3 ms or 180 ms of a 1 s step (band: 150)
+        def predict(p):
+            return 1.0 - saved_each * sum(1 for i, h in enumerate(homes) if p[h] == "cpu" and i >= 3)
+        d = policy.decide(current, candidate, current_step_s=predict(current), predict_step_s=predict, **kw)
+        if whole:
+            assert d.adopt and d.placement == candidate and d.kept_by_warm_band == 0, d.reason
+        else:
+            assert d.kept_by_warm_band > 0 and d.placement != candidate
+
+
 def test_warm_band_evicts_kept_homes_again_when_dram_would_overflow():
     homes, saved, size, density = setup(4)
     density = {homes[0]: 0.0290 / (10 * MiB), homes[1]: 0.0295 / (10 * MiB),

@@ -610,7 +610,8 @@ class PlacementConfig(_Section):
 
     warm_band: float = Field(0.15, ge=0, lt=1)
     """Adaptive: homes whose value per byte is within this fraction of the plan's DRAM threshold
-    stay where they are (hysteresis against ping-pong)."""
+    stay where they are (hysteresis against ping-pong), unless together they are worth more than
+    this fraction of the step (as after a routing change: then the plan is taken whole)."""
 
     plan_lag_steps: int | None = Field(None, ge=0)
     """Adaptive: plans are made in a child process while training goes on; a plan due after step
