@@ -13,22 +13,19 @@ import argparse
 import json
 import re
 import shutil
-import sqlite3
 import tempfile
 from pathlib import Path
 
 from planner.replay import replay, settings_overrides
+from profiler import queries
 
 
 def run_decisions(db: Path) -> dict[int, str]:
     """The plans the run made, by the step they were made after: one line each."""
-    with sqlite3.connect(db) as con:
-        rows = con.execute("select created_step, adopted, predicted_step_s, reason from plans order by version").fetchall()
-    out = {}
-    for step, adopted, predicted, reason in rows:
-        why = json.loads(reason).get("why", "") if reason else ""
-        out[int(step)] = f"{'adopted' if adopted else 'kept'}, predicted {predicted:.3f} s: {why}"
-    return out
+    url = f"sqlite:///{db.resolve()}"
+    plans = queries.plans(url, queries.latest_run_id(url))
+    return {int(p.created_step): f"{'adopted' if p.adopted else 'kept'}, predicted {p.predicted_step_s:.3f} s: "
+                                 f"{(p.reason or {}).get('why', '')}" for p in plans.itertuples()}
 
 
 def main() -> None:

@@ -589,7 +589,8 @@ def dump_plan_inputs(folder: str | os.PathLike, controller: "AdaptiveController"
     ``folder/{database's folder}-{its name}_run{run}_step{step}.pkl``, so that ``benchmarks/plan_replay.py`` can make the same plan
     again, offline, against the run's profile database (which the plan reads up to ``step``
     only): a plan that went wrong on a lent GPU machine can be studied, and a fix tried, on
-    any machine. Written whole to a temporary name, then renamed."""
+    any machine. Called by the plan once it has flushed the profiler. Written whole to a
+    temporary name, then renamed."""
     from profiler import queries
 
     out = Path(folder)
@@ -597,8 +598,6 @@ def dump_plan_inputs(folder: str | os.PathLike, controller: "AdaptiveController"
     view = engine if isinstance(engine, EngineView) else EngineView.of(engine)
     # the newest step the database held: a plan made between steps on the training thread reads
     # the profile before its own step's row is written (the replay cuts the database there)
-    if controller.recorder is not None:
-        controller.recorder.flush()  # as the plan does first (in the planning process: done before)
     run_id = getattr(controller.recorder, "run_id", None)
     last = queries.run_progress(controller.url, run_id)["last_step"] if run_id is not None else None
     blob = pickle.dumps({"class": type(controller), "state": controller.__getstate__(), "view": view, "step": int(step),
@@ -1329,12 +1328,7 @@ class AdaptiveController:
 
     # ------------------------------------------------------------------ planning
     def _plan_or_skip(self, engine, step: int, drifted: bool, before_s: float | None) -> list[Move] | None:
-        """:meth:`_plan`, with a plan that cannot be made recorded as a skip. With the environment
-        variable ``ZINF_PLAN_DUMP`` naming a folder, what the plan is made from goes there first
-        (:func:`dump_plan_inputs`), for ``benchmarks/plan_replay.py``."""
-        folder = os.environ.get(PLAN_DUMP_ENV)
-        if folder:
-            dump_plan_inputs(folder, self, engine, step, drifted, before_s)
+        """:meth:`_plan`, with a plan that cannot be made recorded as a skip."""
         try:
             return self._plan(engine, step, drifted, before_s)
         except _BudgetFull as e:  # the placement in force already fills the budget: normal
@@ -1364,6 +1358,8 @@ class AdaptiveController:
         s = self.settings
         self.recorder.flush()
         run_id = self.recorder.run_id
+        if folder := os.environ.get(PLAN_DUMP_ENV):  # what the plan is made from, for benchmarks/plan_replay.py
+            dump_plan_inputs(folder, self, engine, step, drifted, before_s)
         # the steps recorded since the placement changed (up to the previous one: this step's row
         # is written after this hook), less the first (it records the module trace again)
         since = step - 1 - self._settled_step

@@ -132,6 +132,19 @@ def _variance_of(spec: float | Mapping[str, float], shard: str, rate: float) -> 
     return spec * rate
 
 
+def _remembered(predict_step_s):
+    """``predict_step_s`` that simulates each placement once (by its homes' tiers)."""
+    seen: dict[tuple, float] = {}
+
+    def predict(placement: Mapping[Home, str]) -> float:
+        key = tuple(sorted(placement.items()))
+        if key not in seen:
+            seen[key] = predict_step_s(placement)
+        return seen[key]
+
+    return predict
+
+
 def diff_moves(current: Mapping[Home, str], target: Mapping[Home, str]) -> list[Move]:
     """The moves from ``current`` to ``target`` between the movable tiers, evictions first."""
     evict, admit = [], []
@@ -209,6 +222,7 @@ class PlacementPolicy:
         s = self.settings
         self._rate_variance = _variance_spec(rate_variance)
         min_gain = s.min_gain_fraction if min_gain_fraction is None else min_gain_fraction
+        predict_step_s = _remembered(predict_step_s)  # the band's check and the verdict may simulate one target twice
         trial = trial_band is not None
         banded = not trial and warm_band
         target = self._warm_band(current, candidate, density, dram_bytes, dram_room_bytes) if banded else dict(candidate)

@@ -60,14 +60,14 @@ def settings_overrides(pairs: list[str]) -> dict[str, Any]:
     """``key=value`` pairs as controller settings - fields of :class:`ControllerSettings` or of
     its :class:`PolicySettings` (``min_gain_fraction``, ``margin`` ...) - each value read as JSON
     (``0.1``, ``null``, ``true``) or, for a text field, as it is."""
-    known = {f.name: ControllerSettings() for f in fields(ControllerSettings)} | {
-        f.name: PolicySettings() for f in fields(PolicySettings)}
+    defaults = {**vars(PolicySettings()), **vars(ControllerSettings())}
+    del defaults["policy"]
     out: dict[str, Any] = {}
     for pair in pairs:
         key, _, text = pair.partition("=")
-        if key not in known or key == "policy":
-            raise ValueError(f"no controller setting {key!r} (one of: {', '.join(sorted(set(known) - {'policy'}))})")
-        out[key] = text if isinstance(getattr(known[key], key), str) else json.loads(text)
+        if key not in defaults:
+            raise ValueError(f"no controller setting {key!r} (one of: {', '.join(sorted(defaults))})")
+        out[key] = text if isinstance(defaults[key], str) else json.loads(text)
     return out
 
 
